@@ -1,0 +1,92 @@
+"""Configuration dataclasses shared by the loader, the model, the scheduler and the entrypoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelArchConfig:
+    """Architecture hyper-parameters, in Hugging Face's vocabulary (filled from config.json or GGUF)."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF's rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def kv_bytes_per_token_fp32(self) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+
+
+def parse_bytes(value: str | int | float | None) -> int | None:
+    """'4GiB', '512MiB', '2G', '1e9' or a plain number of bytes → bytes."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else int(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", value, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse a memory size from {value!r}: use e.g. '2GiB', '512MiB' or bytes")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit else 1
+    power = " KMGT".index(unit) if unit else 0
+    return int(number * base**power)
+
+
+@dataclass
+class EngineArgs:
+    """Every engine flag; `LLM(**kwargs)` and the CLI both fill this (names follow vLLM)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None  # bytes, or "4GiB"; default: a share of free memory
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    disable_log_stats: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        parse_bytes(self.kv_cache_memory)
