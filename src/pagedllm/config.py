@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelArchConfig:
-    """Architecture hyper-parameters, in Hugging Face's vocabulary (filled from config.json or GGUF)."""
+    """Architecture hyper-parameters in Hugging Face's vocabulary (from config.json or GGUF)."""
 
     architecture: str  # e.g. "LlamaForCausalLM"
     vocab_size: int
@@ -41,7 +41,9 @@ def parse_bytes(value: str | int | float | None) -> int | None:
         return None if value is None else int(value)
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", value, flags=re.IGNORECASE)
     if not m:
-        raise ValueError(f"cannot parse a memory size from {value!r}: use e.g. '2GiB', '512MiB' or bytes")
+        raise ValueError(
+            f"cannot parse a memory size from {value!r}: use e.g. '2GiB', '512MiB' or bytes"
+        )
     number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     base = 1024 if binary or unit else 1
     power = " KMGT".index(unit) if unit else 0
@@ -88,5 +90,7 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         parse_bytes(self.kv_cache_memory)

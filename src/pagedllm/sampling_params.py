@@ -37,8 +37,10 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -62,7 +64,7 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "must be in (0, 2]")
-        if self.temperature < 0.0:
+        if not self.temperature >= 0.0:  # also rejects NaN
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
@@ -72,7 +74,9 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
@@ -90,10 +94,20 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:
+            logit_bias = {}
             for token_id, bias in self.logit_bias.items():
-                if not -100.0 <= float(bias) <= 100.0:
-                    raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                try:  # keys may be strings, as in OpenAI requests
+                    token_id, bias = int(token_id), float(bias)
+                except (TypeError, ValueError):
+                    raise bad("logit_bias", "must map token ids to numbers") from None
+                if token_id < 0:
+                    raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(
+                        f"logit_bias for token {token_id} must be in [-100, 100], got {bias}"
+                    )
+                logit_bias[token_id] = bias
+            self.logit_bias = logit_bias
 
     def clone(self) -> SamplingParams:
         import copy

@@ -16,7 +16,10 @@ _ids = itertools.count()
 def make_request(prompt_len: int, max_tokens: int, arrival: float | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(
-        f"r{next(_ids)}", list(range(1, prompt_len + 1)), params, eos_token_ids=[0],
+        f"r{next(_ids)}",
+        list(range(1, prompt_len + 1)),
+        params,
+        eos_token_ids=[0],
         arrival_time=arrival,
     )
 

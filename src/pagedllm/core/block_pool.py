@@ -61,6 +61,8 @@ class BlockPool:
         assert actual == expected, "reference counts disagree with the block tables"
         free_ids = [b.block_id for b in self._free]
         assert len(free_ids) == len(set(free_ids)), "a block is in the free queue twice"
-        assert all(self.blocks[i].ref_cnt == 0 for i in free_ids), "a used block is in the free queue"
+        assert all(self.blocks[i].ref_cnt == 0 for i in free_ids), (
+            "a used block is in the free queue"
+        )
         num_used = sum(1 for c in expected if c > 0)
         assert num_used + len(free_ids) == self.num_blocks, "blocks leaked: free + used != total"

@@ -32,7 +32,7 @@ class KVCacheManager:
         return max(0, need - have)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
+        """Make room for `num_new_tokens` more tokens; False, changing nothing, if short."""
         num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens)
         if num_new_blocks > self.block_pool.num_free_blocks:
             return False

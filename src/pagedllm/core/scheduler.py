@@ -216,7 +216,9 @@ class Scheduler:
         self.kv_cache_manager.check_integrity()
         held = set(self.kv_cache_manager.req_to_blocks)
         running = {r.request_id for r in self.running}
-        assert held <= running | {r.request_id for r in self.waiting}, "finished request holds blocks"
+        assert held <= running | {r.request_id for r in self.waiting}, (
+            "finished request holds blocks"
+        )
         for request in self.waiting:
             if request.status == RequestStatus.PREEMPTED:
                 assert request.request_id not in held, "preempted request still holds blocks"

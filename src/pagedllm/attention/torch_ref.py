@@ -1,0 +1,66 @@
+"""Reference paged attention: a plain per-request loop, written to be obviously correct.
+
+This is the oracle every faster backend is tested against. Each request's K/V are gathered
+token by token through its block table; its q_len queries are the last q_len positions of a
+context of seq_len tokens, so prefill, chunked prefill and decode share this one path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [T, kv_heads, head_dim] into the caches [num_blocks, block_size, kv_heads,
+    head_dim] at the flat slots slot_mapping[T] (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def context_slots(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
+    """Cache slot of every position 0..seq_len-1 of one request."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], computed in float32."""
+    num_heads = query.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    group = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    block_tables = meta.block_tables.tolist()
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        q_len = end - start
+        slots = torch.tensor(context_slots(block_tables[i], seq_len, meta.block_size))
+        slots = slots.to(k_flat.device)
+        # Query head h reads KV head h // group (the GQA/MQA convention of HF's repeat_kv).
+        k = k_flat[slots].float().repeat_interleave(group, dim=1)  # [seq_len, H, d]
+        v = v_flat[slots].float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [q_len, H, d]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        # Query i sits at absolute position (seq_len - q_len + i) and sees keys up to it.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

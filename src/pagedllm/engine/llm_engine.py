@@ -1,0 +1,326 @@
+"""LLMEngine: the synchronous step loop tying loader, scheduler, model runner and detokenizer."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineArgs, parse_bytes
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.model_loader import load_model
+from pagedllm.models.registry import get_model_class
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_token
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    delta: bool
+    metrics: RequestMetrics
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = _resolve_device(args.device)
+        if args.dtype == "auto":
+            self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        else:
+            self.dtype = _DTYPES[args.dtype]
+        torch.manual_seed(args.seed)
+
+        t0 = time.perf_counter()
+        loaded = load_model(args.model, args.tokenizer)
+        self.model_name = loaded.name
+        self.model_config = config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        model = get_model_class(config.architecture)(
+            config, attention_backend=args.attention_backend
+        )
+        model.load_weights(loaded.weights.items())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        logger.info("loaded %s in %.1f s", self.model_name, time.perf_counter() - t0)
+
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = list(config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            if self.tokenizer.eos_token_id not in self.eos_token_ids:
+                self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+        self.block_size = args.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(
+            self.model, config, self.block_size, self.device, self.dtype, seed=args.seed
+        )
+        self.runner.allocate_kv_cache(self.num_blocks)
+        max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
+        if not args.enable_chunked_prefill and max_batched < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill disabled: raise "
+                "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+            ),
+            KVCacheManager(self.num_blocks, self.block_size),
+        )
+        self._states: dict[str, _RequestState] = {}
+        self._request_counter = itertools.count()
+
+    # -- start-up -----------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.args.max_model_len is None:
+            return limit
+        if self.args.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.args.max_model_len} exceeds the model's context length "
+                f"{limit}: lower --max-model-len"
+            )
+        return self.args.max_model_len
+
+    def _num_kv_blocks(self) -> int:
+        bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype)
+        bytes_per_block = bytes_per_token * self.block_size
+        if self.args.num_gpu_blocks_override is not None:
+            num_blocks = self.args.num_gpu_blocks_override
+        else:
+            num_blocks = self._kv_cache_budget() // bytes_per_block
+        num_tokens = num_blocks * self.block_size
+        blocks_per_request = cdiv(self.max_model_len, self.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%d bytes per token); "
+            "maximum concurrency for %d-token requests: %.2fx",
+            num_blocks, self.block_size, num_tokens, num_blocks * bytes_per_block / 2**30,
+            bytes_per_token, self.max_model_len, num_blocks / blocks_per_request,
+        )  # fmt: skip
+        if num_blocks < blocks_per_request:
+            need = blocks_per_request * bytes_per_block
+            raise ValueError(
+                f"the KV cache holds {num_tokens} tokens, less than one request of max_model_len "
+                f"{self.max_model_len}: raise --kv-cache-memory to at least {need / 2**20:.0f}MiB "
+                f"or lower --max-model-len to {num_tokens} or less"
+            )
+        return num_blocks
+
+    def _kv_cache_budget(self) -> int:
+        explicit = parse_bytes(self.args.kv_cache_memory)
+        if explicit is not None:
+            return explicit
+        if self.device.type == "cuda":
+            return self._profile_cuda_kv_budget()
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """What is left of gpu_memory_utilization x total after the model's weights and a peak
+        activation footprint (a forward pass over a full token budget without a cache)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        n = min(self.args.max_num_batched_tokens or 2048, self.max_model_len)
+        with torch.inference_mode():
+            hidden_states = torch.zeros(n, self.model_config.hidden_size, device=self.device,
+                                        dtype=self.dtype)  # fmt: skip
+            self.model.compute_logits(hidden_states)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        return max(0, int(total * self.args.gpu_memory_utilization) - peak - used_by_others)
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        delta: bool = False,
+    ) -> str:
+        """Queue a request; `delta=True` makes each output carry only the new text and tokens."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id, token_ids, params, self.eos_token_ids, max_tokens, text, arrival_time
+        )
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer.backend, token_ids, params)
+        self._states[request_id] = _RequestState(
+            request,
+            detokenizer,
+            delta,
+            RequestMetrics(arrival_time=request.arrival_time),
+            [] if params.logprobs is not None else None,
+            0.0 if params.logprobs is not None else None,
+        )
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len}: shorten the prompt (it needs room for at least one "
+                "generated token) or raise --max-model-len"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in ids:
+            self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    # -- the step loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return an output for every request that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        now = time.time()
+        for request in scheduler_output.scheduled_requests:
+            metrics = self._states[request.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        runner_output = self.runner.execute_model(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+
+        now = time.time()
+        outputs = []
+        stopped_by_string = []
+        for request_id, token_id in runner_output.sampled_token_ids.items():
+            state = self._states[request_id]
+            request = state.request
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if request_id in runner_output.logprobs:
+                self._append_logprobs(state, runner_output.logprobs[request_id])
+            if state.detokenizer is not None:
+                # An EOS or stop token that ended the request is not part of the text.
+                by_token = request.status == RequestStatus.FINISHED_STOPPED
+                stop = state.detokenizer.update([token_id], stop_terminated=by_token)
+                if stop is not None and not request.is_finished():
+                    request.stop_reason = stop
+                    stopped_by_string.append(request_id)
+        self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
+        for request_id in runner_output.sampled_token_ids:
+            outputs.append(self._make_output(self._states[request_id], now))
+        return outputs
+
+    def _append_logprobs(self, state: _RequestState, lp) -> None:
+        decode = self._decode_token
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+        for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+            entry.setdefault(token_id, Logprob(logprob, rank, decode(token_id)))
+        state.logprobs.append(entry)
+        state.cumulative_logprob += lp.logprob
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+        request = state.request
+        finished = request.is_finished()
+        if finished:
+            state.metrics.finished_time = now
+            del self._states[request.request_id]
+        text = ""
+        if state.detokenizer is not None:
+            text = state.detokenizer.get_next_output_text(finished, state.delta)
+        token_ids = request.output_token_ids
+        logprobs = state.logprobs
+        if state.delta:
+            token_ids = token_ids[-1:]
+            logprobs = logprobs[-1:] if logprobs is not None else None
+        else:
+            token_ids = list(token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=state.metrics,
+        )

@@ -1,0 +1,175 @@
+"""`pagedllm generate | chat | bench`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pagedllm.config import EngineArgs
+
+# flag -> (EngineArgs field, type, help). Names follow vLLM's.
+_ENGINE_FLAGS = {
+    "--model": (str, "GGUF file, Hugging Face directory, or a packaged model's short name "
+                     "(default: SmolLM2-135M-Instruct)"),
+    "--tokenizer": (str, "tokenizer directory if not the model's own"),
+    "--dtype": (str, "float32 | bfloat16 | float16 | auto (float32 on CPU)"),
+    "--device": (str, "cpu | cuda | auto"),
+    "--seed": (int, "seed for random sampling"),
+    "--max-model-len": (int, "context length (prompt + output); default: the model's"),
+    "--block-size": (int, "tokens per KV-cache block"),
+    "--kv-cache-memory": (str, "KV cache size, in bytes or with a unit (e.g. 2GiB); "
+                               "default 4GiB on CPU"),
+    "--gpu-memory-utilization": (float, "share of GPU memory to use"),
+    "--num-gpu-blocks-override": (int, "number of KV-cache blocks, overriding the memory budget"),
+    "--max-num-seqs": (int, "most requests in one batch"),
+    "--max-num-batched-tokens": (int, "token budget of one step (prefill chunks + decodes)"),
+    "--attention-backend": (str, "auto | sdpa | torch"),
+}  # fmt: skip
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineArgs()
+    group = parser.add_argument_group("engine")
+    for flag, (type_, help_) in _ENGINE_FLAGS.items():
+        field = flag[2:].replace("-", "_")
+        default = getattr(defaults, field)
+        group.add_argument(flag, type=type_, default=default,
+                           help=f"{help_} (default: {default})")  # fmt: skip
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=True, help="split long prompts across steps")  # fmt: skip
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+        min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+    )  # fmt: skip
+
+
+def _stream(engine, prompt, params) -> tuple[str, int, float]:
+    """Run one request, printing text as it arrives; returns (text, tokens, seconds)."""
+    start = time.perf_counter()
+    request_id = engine.add_request(None, prompt, params, delta=True)
+    text, num_tokens = [], 0
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                delta = output.outputs[0].text
+                num_tokens += len(output.outputs[0].token_ids)
+                text.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    sys.stdout.write("\n")
+    return "".join(text), num_tokens, time.perf_counter() - start
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_args_from(ns))
+    params = sampling_params_from(ns)
+    prompt = ns.prompt if ns.prompt is not None else sys.stdin.read()
+    if ns.chat_template_off:
+        full_prompt = prompt
+    else:
+        messages = [{"role": "user", "content": prompt}]
+        if ns.system:
+            messages.insert(0, {"role": "system", "content": ns.system})
+        full_prompt = _chat_prompt(engine, messages)
+    _, num_tokens, seconds = _stream(engine, full_prompt, params)
+    print(f"[{num_tokens} tokens in {seconds:.2f} s, {num_tokens / seconds:.1f} tokens/s]",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _chat_prompt(engine, messages) -> dict:
+    tokenizer = engine.tokenizer
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise SystemExit("this model has no chat template: use --raw")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_args_from(ns))
+    params = sampling_params_from(ns)
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    print("Type a message and press Enter; an empty line, 'exit' or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip() or line.strip() in ("exit", "quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        reply, _, _ = _stream(engine, _chat_prompt(engine, messages), params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a reply to one prompt, streamed")
+    gen.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
+    gen.add_argument("--raw", dest="chat_template_off", action="store_true",
+                     help="send the prompt as it is, without the chat template")  # fmt: skip
+    gen.add_argument("--system", default=None, help="a system message")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's template")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.benchmarks import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput on a sharegpt-like workload")
+    add_engine_args(tp)
+    throughput.add_cli_args(tp)
+    tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns) or 0
+    except ValueError as e:  # bad flags or input: a clear message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict]
+
+
+class LLM:
+    """Takes every engine flag as a keyword argument, as vLLM's LLM does."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {sorted(unknown)}; "
+                f"known: {sorted(EngineArgs.field_names())}"
+            )
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts: "
+                "give one, or one per prompt"
+            )
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render a chat")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+            )
+            # The rendered template already holds any BOS it wants.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)  # fmt: skip
+        start = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    num_in += len(output.prompt_token_ids)
+                    num_out += len(output.outputs[0].token_ids)
+                    elapsed = time.perf_counter() - start
+                    speed = f"input: {num_in / elapsed:.1f}, output: {num_out / elapsed:.1f} toks/s"
+                    bar.set_postfix_str(speed)
+                    bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

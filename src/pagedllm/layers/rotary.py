@@ -1,0 +1,97 @@
+"""Rotary position embedding (RoPE) applied to flattened tokens by their position ids.
+
+Uses HF's rotate_half layout (first half / second half of head_dim, not interleaved pairs),
+because checkpoints are in HF layout. cos/sin are computed once, in float32, for every
+position, then cast to the activations' dtype per call, exactly as HF does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def compute_inv_freq(
+    head_dim: int, base: float, rope_scaling: dict | None, max_position_embeddings: int
+) -> tuple[torch.Tensor, int]:
+    """Inverse frequencies [head_dim // 2] and the number of positions to cache."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    rope_type = _rope_type(rope_scaling)
+    if rope_type == "default":
+        return inv_freq, max_position_embeddings
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        # Positions are divided by factor, i.e. the context is stretched factor times.
+        return inv_freq / factor, int(max_position_embeddings * factor)
+    if rope_type == "dynamic":
+        # NTK-aware base, fixed at the longest supported context (as vLLM does). HF instead
+        # recomputes it per forward from the batch's longest position, which a KV cache cannot
+        # follow; the two agree only in the limit.
+        max_len = int(max_position_embeddings * factor)
+        base = base * (factor * max_len / max_position_embeddings - (factor - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, max_len
+    # llama3: same formula as HF's _compute_llama3_parameters.
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    old_context_len = rope_scaling.get("original_max_position_embeddings", max_position_embeddings)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama), max_position_embeddings
+
+
+def _rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    return rope_type
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        base: float = 10000.0,
+        rope_scaling: dict | None = None,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, max_len = compute_inv_freq(head_dim, base, rope_scaling, max_position_embeddings)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)  # [P, d/2]
+        # Non-persistent: derived from the config, never part of a checkpoint. Casting them with
+        # model.to(dtype) is harmless: HF casts cos/sin to the activations' dtype as well.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query/key [T, n_heads * head_dim] or [T, n_heads, head_dim]."""
+        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]  # [T, 1, d/2]
+        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x1, x2 = x.view(shape[0], -1, self.head_dim).chunk(2, dim=-1)
+        # == x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), element for element.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_positions={self.cos_cache.shape[0]}"

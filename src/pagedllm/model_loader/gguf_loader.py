@@ -1,0 +1,235 @@
+"""Loading a llama-family GGUF file (llama.cpp's format) into HF-named float32 tensors.
+
+Three things differ from a Hugging Face checkpoint and are undone here:
+  - names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`;
+  - quantization: blocks are dequantized with the gguf package's own reference code;
+  - rope layout: llama.cpp's converter permutes the rows of attn_q / attn_k (HF's rotate-half
+    pairs (i, i + d/2) become adjacent pairs (2i, 2i + 1)); we apply the inverse permutation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
+from pagedllm.model_loader.loaded_model import LoadedModel
+from pagedllm.model_loader.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict:
+    """All key/value fields as Python values (strings, numbers, lists)."""
+    return {
+        key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")
+    }
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name for a GGUF tensor name; None for tensors that are folded into the config."""
+    if gguf_name == "rope_freqs.weight":
+        return None  # llama3 rope scaling factors, turned into config.rope_scaling
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+
+
+def unpermute_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's q/k row permutation, which is
+    `w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)` (HF -> GGUF layout)."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def llama3_rope_freq_factors(
+    head_dim: int, rope_theta: float, factor: float, low: float, high: float, original_max: int
+) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for HF's llama3 rope scaling."""
+    freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_max / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < original_max / high, 1.0, np.where(wavelen > original_max / low, factor, mid)
+    )
+
+
+def _llama3_scaling_from_factors(
+    factors: np.ndarray, head_dim: int, rope_theta: float, original_max: int
+) -> dict | None:
+    """Recover HF's llama3 rope_scaling dict from llama.cpp's precomputed rope_freqs factors.
+
+    The factors are invariant under scaling (original_max, low, high) together, so original_max is
+    taken from metadata (default 8192, as the converter does) and low/high are solved from the
+    linear "smooth" ramp between the two bands.
+    """
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    x = original_max / (2 * math.pi * rope_theta ** (np.arange(0, head_dim, 2) / head_dim))
+    ramp = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    if ramp.sum() >= 2:  # smooth = (x - low) / (high - low), linear in x
+        smooth = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(x[ramp], smooth, 1)
+        low = -intercept / slope
+        high = low + 1 / slope
+    else:  # no ramp to fit: HF's defaults, checked below
+        low, high = 1.0, 4.0
+    low, high = round(float(low), 4), round(float(high), 4)
+    rebuilt = llama3_rope_freq_factors(head_dim, rope_theta, factor, low, high, original_max)
+    if not np.allclose(rebuilt, factors, rtol=1e-4, atol=1e-4):
+        raise ValueError("rope_freqs in this GGUF do not follow llama3 rope scaling; not supported")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original_max,
+    }
+
+
+def _rope_scaling(meta: dict, arch: str, config: ModelArchConfig, rope_freqs) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind not in (None, "none"):
+        scaling = {"rope_type": kind, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        for key in ("yarn_beta_fast", "yarn_beta_slow"):
+            if f"{arch}.rope.scaling.{key}" in meta:
+                scaling[key.removeprefix("yarn_")] = float(meta[f"{arch}.rope.scaling.{key}"])
+        return scaling
+    if rope_freqs is not None:
+        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        return _llama3_scaling_from_factors(
+            factors, config.head_dim, config.rope_theta, int(orig or 8192)
+        )
+    return None
+
+
+def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF file lacks the required metadata key {arch}.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer list in some files; llama uses one value
+        kv_heads = max(kv_heads)
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        emb = tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"]
+        vocab = len(tokens) if tokens is not None else int(emb.shape[-1])  # ggml order: (in, out)
+    eos_ids = [
+        int(meta[f"tokenizer.ggml.{k}"])
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")  # end of text / turn / message
+        if meta.get(f"tokenizer.ggml.{k}") is not None
+    ]
+    config = ModelArchConfig(
+        architecture=SUPPORTED_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos_ids)),
+    )
+    config.rope_scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))
+    return config
+
+
+def _tokenizer(meta: dict) -> Tokenizer | None:
+    if "tokenizer.ggml.tokens" not in meta:
+        return None
+    prefix = "tokenizer.ggml."
+    tok_meta = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
+    tok_meta["token_types"] = tok_meta.pop("token_type", None) or [1] * len(tok_meta["tokens"])
+    tok_meta["chat_template"] = meta.get("tokenizer.chat_template")
+    return tokenizer_from_gguf_metadata(tok_meta)
+
+
+def load_gguf(path: str | os.PathLike) -> LoadedModel:
+    """Read a llama-family GGUF: config, float32 weights with HF names, and its tokenizer."""
+    reader = gguf.GGUFReader(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config_from_metadata(meta, tensors)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        try:
+            # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
+            array = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(
+                f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
+                "cannot dequantize"
+            ) from e
+        proj = name.split(".")[-2]
+        if proj in heads:
+            array = unpermute_from_gguf(array, heads[proj])
+        # F32 tensors are views of the read-only memory map: copy those (and only those).
+        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+    name = os.path.basename(os.fspath(path)).removesuffix(".gguf")
+    return LoadedModel(config=config, weights=weights, tokenizer=_tokenizer(meta), name=name)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
+    """Only the tokenizer of a GGUF file (no tensor is dequantized)."""
+    return _tokenizer(read_metadata(gguf.GGUFReader(path)))

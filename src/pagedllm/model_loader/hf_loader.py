@@ -1,0 +1,147 @@
+"""Loading a Hugging Face model directory: config.json, *.safetensors (sharded too), tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import tokenizers
+import torch
+from safetensors.torch import load_file
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.model_loader.loaded_model import LoadedModel
+from pagedllm.model_loader.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or
+    transformers 5 (`rope_parameters` holding both) style configs."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or params or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.pop("rope_theta", None)
+        if "type" in scaling and "rope_type" not in scaling:  # old spelling
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return theta, scaling
+
+
+def config_from_hf(cfg: dict) -> ModelArchConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"architectures {archs} not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
+        raise ValueError(
+            "Mistral with a sliding window is not supported (set sliding_window: null)"
+        )
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    theta, scaling = _rope(cfg)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", False),
+        mlp_bias=cfg.get("mlp_bias", False),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(directory / name))
+    # Old checkpoints store the rotary inv_freq buffer; it's derived from the config, not a weight.
+    return {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def _token_content(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(directory: Path, tok_cfg: dict) -> str | None:
+    jinja = directory / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
+    """Tokenizer from tokenizer.json, tokenizer_config.json, chat_template.jinja; None if absent."""
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").exists():
+        return None
+    backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    cfg_path = directory / "tokenizer_config.json"
+    tok_cfg = _read_json(cfg_path) if cfg_path.exists() else {}
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        token = _token_content(tok_cfg.get(key))
+        special[key] = (
+            token if token is not None and backend.token_to_id(token) is not None else None
+        )
+    add_bos = tok_cfg.get("add_bos_token")
+    if add_bos is None and special["bos_token"] is not None:
+        # No flag: follow what tokenizer.json's post-processor does (Llama 3 adds BOS there).
+        probe = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bool(probe) and probe[0] == backend.token_to_id(special["bos_token"])
+    return Tokenizer(
+        backend,
+        add_bos_token=bool(add_bos),
+        chat_template=_chat_template(directory, tok_cfg),
+        **special,
+    )
+
+
+def load_hf_dir(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+    directory = Path(path)
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(
+            f"{directory} has no config.json: not a Hugging Face model directory"
+        )
+    config = config_from_hf(_read_json(directory / "config.json"))
+    weights = load_safetensors(directory)
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=load_hf_tokenizer(tokenizer or directory),
+        name=directory.name,
+    )

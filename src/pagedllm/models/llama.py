@@ -1,0 +1,174 @@
+"""Llama (and Mistral without sliding window) over flattened tokens and a paged KV cache.
+
+q/k/v and gate/up projections are fused into one matmul each (qkv_proj, gate_up_proj);
+load_weights takes HF parameter names and packs the separate checkpoint tensors into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelArchConfig
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, backend: str, dtype):
+        super().__init__()
+        h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_size, self.kv_size = h * d, kvh * d
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=bias, dtype=dtype)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(h, d, d**-0.5, kvh, backend)
+
+    def forward(self, positions, hidden_states, kv_cache, attn_metadata):
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig, dtype):
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, backend: str, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, rotary_emb, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, positions, hidden_states, kv_cache, attn_metadata):
+        residual = hidden_states
+        h = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
+        hidden_states = residual + h
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, backend: str, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # One RoPE table shared by all layers (it only depends on the config).
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, backend, dtype)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata):
+        hidden_states = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        attention_backend: str = "auto",
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attention_backend, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> hidden_states [T, hidden] (flattened tokens, no padding)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden] (e.g. each request's last token) -> [N, vocab] float32."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
+        """Copy HF-named tensors in, casting to the model's dtype and packing fused projections.
+
+        Raises ValueError on an unknown name, a wrong shape, or a parameter left unloaded.
+        """
+        c = self.config
+        q_size = c.num_attention_heads * c.head_dim
+        kv_size = c.num_key_value_heads * c.head_dim
+        inter = c.intermediate_size
+        # checkpoint module -> (our fused module, row offset, rows)
+        shards = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
+        params = dict(self.named_parameters())  # the tied lm_head.weight appears once, as embed
+        # (our parameter, row offset) -> the checkpoint name that fills it
+        required = {}
+        for pname in params:
+            *prefix, module, kind = pname.split(".")
+            parts = [(m, off) for m, (fused, off, _) in shards.items() if fused == module]
+            for hf_module, off in parts or [(module, 0)]:
+                required[pname, off] = ".".join([*prefix, hf_module, kind])
+        if isinstance(weights, Mapping):
+            weights = weights.items()
+        loaded = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and c.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in shards:
+                fused, offset, rows = shards[parts[-2]]
+                target = ".".join([*parts[:-2], fused, parts[-1]])
+            else:
+                target, offset, rows = name, 0, None
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {c.architecture}")
+            param = params[target]
+            expected = (rows or param.shape[0], *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+                )
+            with torch.no_grad():
+                param[offset : offset + expected[0]].copy_(tensor)
+            loaded.add((target, offset))
+        missing = sorted(hf_name for key, hf_name in required.items() if key not in loaded)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing)}")

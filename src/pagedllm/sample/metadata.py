@@ -1,0 +1,150 @@
+"""Per-step sampling tensors, one row per request being sampled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pagedllm.request import Request
+
+
+@dataclass
+class SamplingMetadata:
+    # Fields a step does not need are None, so the sampler skips that work entirely.
+    temperature: torch.Tensor | None  # [rows] float32; 1.0 on greedy rows; None if all greedy
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [rows] bool; only for batches mixing greedy and random
+    top_k: torch.Tensor | None  # [rows] int64; vocab_size where disabled
+    top_p: torch.Tensor | None  # [rows] float32; 1.0 where disabled
+    min_p: torch.Tensor | None  # [rows] float32; 0.0 where disabled
+    # Seeded random rows: row -> the request's own generator.
+    generators: dict[int, torch.Generator]
+    # Penalties: [rows] float32 each, plus flat (row, token id) pairs of the tokens seen.
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None  # rows with repetition penalty only
+    output_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows, token ids) to set to -inf: EOS/stop ids of requests still under min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows, token ids, bias) added to the logits.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    max_num_logprobs: int | None  # None: no row wants logprobs
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalties is None
+
+    @classmethod
+    def from_requests(
+        cls, requests: list[Request], vocab_size: int, device: torch.device | str
+    ) -> SamplingMetadata:
+        params = [r.sampling_params for r in requests]
+        greedy = [p.is_greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        temperature = greedy_mask = top_k = top_p = min_p = None
+        generators: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            # Greedy rows get neutral values so the random path does no harm (or work) there.
+            rand = [None if g else p for p, g in zip(params, greedy, strict=True)]
+            temperature = floats([p.temperature if p else 1.0 for p in rand])
+            if not all_random:
+                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            ks = [p.top_k if p and 0 < p.top_k < vocab_size else vocab_size for p in rand]
+            if any(k != vocab_size for k in ks):
+                top_k = longs(ks)
+            if any(p and p.top_p < 1.0 for p in rand):
+                top_p = floats([p.top_p if p else 1.0 for p in rand])
+            if any(p and p.min_p > 0.0 for p in rand):
+                min_p = floats([p.min_p if p else 0.0 for p in rand])
+            for i, p in enumerate(rand):
+                if p is None or p.seed is None:
+                    continue
+                r = requests[i]
+                if r.generator is None:
+                    # Created once and kept on the request so the stream continues across steps.
+                    r.generator = torch.Generator(device=device)
+                    r.generator.manual_seed(p.seed)
+                generators[i] = r.generator
+
+        def pairs(rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            # Flat (row, token) pairs, built in numpy: much faster than torch.tensor on long
+            # Python lists, and cheaper than a padded [rows, max_len] tensor.
+            tokens = np.fromiter(chain.from_iterable(ids), dtype=np.int64)
+            row_ids = np.repeat(np.asarray(rows, dtype=np.int64), [len(x) for x in ids])
+            if tokens.size and tokens.max() >= vocab_size:
+                keep = tokens < vocab_size  # a tokenizer may know ids the model's vocab lacks
+                tokens, row_ids = tokens[keep], row_ids[keep]
+            return torch.from_numpy(row_ids).to(device), torch.from_numpy(tokens).to(device)
+
+        presence = frequency = repetition = prompt_tokens = output_tokens = None
+        penalized = [
+            i
+            for i, p in enumerate(params)
+            if p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0
+        ]
+        if penalized:
+            presence = floats([p.presence_penalty for p in params])
+            frequency = floats([p.frequency_penalty for p in params])
+            repetition = floats([p.repetition_penalty for p in params])
+            # Only penalized rows pay for building their token lists.
+            output_tokens = pairs(penalized, [requests[i].output_token_ids for i in penalized])
+            rep_rows = [i for i in penalized if params[i].repetition_penalty != 1.0]
+            if rep_rows:
+                prompt_tokens = pairs(rep_rows, [requests[i].prompt_token_ids for i in rep_rows])
+
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                ids = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    ids.update(r.eos_token_ids)
+                ids = [t for t in ids if t < vocab_size]
+                mask_rows += [i] * len(ids)
+                mask_ids += ids
+            if p.logit_bias:
+                # Ids outside the vocab are ignored; the engine should reject them on admission.
+                items = [(t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab_size]
+                bias_rows += [i] * len(items)
+                bias_ids += [t for t, _ in items]
+                bias_values += [b for _, b in items]
+
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=generators,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            min_tokens_mask=(longs(mask_rows), longs(mask_ids)) if mask_rows else None,
+            logit_bias=(longs(bias_rows), longs(bias_ids), floats(bias_values))
+            if bias_rows
+            else None,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )

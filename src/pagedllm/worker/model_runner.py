@@ -1,0 +1,150 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelArchConfig
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and rank, then the top-N (token id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+def kv_cache_bytes_per_token(config: ModelArchConfig, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelArchConfig,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.sampler = Sampler(seed=seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One preallocated pool: per layer a K and a V tensor [num_blocks, block_size, kvh, d]."""
+        c = self.config
+        shape = (
+            c.num_hidden_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(c.num_hidden_layers)]
+
+    def _prepare_inputs(self, so: SchedulerOutput):
+        reqs = so.scheduled_requests
+        num_scheduled = np.array([so.num_scheduled_tokens[r.request_id] for r in reqs], np.int64)
+        num_computed = np.array([r.num_computed_tokens for r in reqs], np.int64)
+        query_start_loc = np.zeros(len(reqs) + 1, np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        seq_lens = num_computed + num_scheduled
+        total = int(query_start_loc[-1])
+
+        # Position of each flattened token: its request's first new position + offset in the chunk.
+        req_index = np.repeat(np.arange(len(reqs)), num_scheduled)
+        positions = np.arange(total) - query_start_loc[req_index] + num_computed[req_index]
+
+        input_ids = np.empty(total, np.int64)
+        for i, r in enumerate(reqs):
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = r.all_token_ids[
+                num_computed[i] : seq_lens[i]
+            ]
+
+        max_blocks = max(len(so.block_ids[r.request_id]) for r in reqs)
+        block_table = np.zeros((len(reqs), max_blocks), np.int32)
+        for i, r in enumerate(reqs):
+            ids = so.block_ids[r.request_id]
+            block_table[i, : len(ids)] = ids
+        bs = self.block_size
+        slot_mapping = (
+            block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
+        )
+
+        sample_rows = [i for i, r in enumerate(reqs) if so.needs_sample(r)]
+        logits_indices = query_start_loc[1:][sample_rows] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids_t = torch.from_numpy(input_ids).to(dev)
+        positions_t = torch.from_numpy(positions).to(dev)
+        return input_ids_t, positions_t, meta, [reqs[i] for i in sample_rows], logits_indices
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids, positions, meta, sample_reqs, logits_indices = self._prepare_inputs(so)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_reqs:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        sampling_metadata = SamplingMetadata.from_requests(
+            sample_reqs, self.config.vocab_size, self.device
+        )
+        out = self.sampler(logits, sampling_metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, token_ids, strict=True)}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if out.logprobs is not None:
+            ids, lps, ranks = (
+                out.logprob_token_ids.tolist(),
+                out.logprobs.tolist(),
+                out.sampled_token_ranks.tolist(),
+            )
+            for row, r in enumerate(sample_reqs):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    continue
+                top = list(zip(ids[row][1 : k + 1], lps[row][1 : k + 1], strict=True))
+                logprobs[r.request_id] = TokenLogprobs(ids[row][0], lps[row][0], ranks[row], top)
+        return ModelRunnerOutput(sampled, logprobs)

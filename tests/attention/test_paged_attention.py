@@ -1,0 +1,202 @@
+"""Paged attention backends vs dense causal attention on contiguous tensors.
+
+Caches start full of NaN, so reading any slot that was not written (past a context's end, a
+padded block table entry, another request's block) poisons the output and fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    paged_attention_ref,
+    paged_attention_sdpa,
+    write_kv_cache,
+)
+
+BACKENDS = {"torch": paged_attention_ref, "sdpa": paged_attention_sdpa}
+# (num_heads, num_kv_heads): MHA, GQA ratio 3, GQA ratio 8, MQA
+HEADS = [(4, 4), (9, 3), (16, 2), (8, 1)]
+
+
+def dense_causal_attention(q, k, v, scale):
+    """q [q_len, H, d], k/v [seq_len, kv_heads, d]: q are the last q_len positions."""
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.double())
+
+
+def build_batch(reqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+    """reqs: [(num_computed_tokens, q_len)]. Returns everything a backend call needs plus the
+    dense per-request tensors. Physical blocks are a random permutation handed out round-robin,
+    so requests' blocks interleave and no table is contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3  # a few spare blocks nobody owns
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    block_tables = [[] for _ in reqs]
+    for j in range(max(blocks_needed)):
+        for i, n in enumerate(blocks_needed):
+            if j < n:
+                block_tables[i].append(free.pop())
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+
+    dense, queries, new_k, new_v, slot_mapping = [], [], [], [], []
+    for (num_computed, q_len), table, seq_len in zip(reqs, block_tables, seq_lens, strict=True):
+        q = torch.randn(q_len, num_heads, head_dim, generator=g).to(dtype)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        for p in range(num_computed):  # earlier steps' K/V, already in the cache
+            k_cache[slots[p] // block_size, slots[p] % block_size] = k[p]
+            v_cache[slots[p] // block_size, slots[p] % block_size] = v[p]
+        dense.append((q, k, v))
+        queries.append(q)
+        new_k.append(k[num_computed:])
+        new_v.append(v[num_computed:])
+        slot_mapping += slots[num_computed:]
+
+    width = max(blocks_needed) + 1  # an extra padded column that must never be read
+    tables = torch.zeros(len(reqs), width, dtype=torch.int32)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table)
+    q_lens = [q for _, q in reqs]
+    qsl = [0]
+    for q_len in q_lens:
+        qsl.append(qsl[-1] + q_len)
+    meta = AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        block_tables=tables,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return dict(
+        query=torch.cat(queries),
+        key=torch.cat(new_k),
+        value=torch.cat(new_v),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        meta=meta,
+        dense=dense,
+    )
+
+
+def scenario(kind: str, block_size: int, seed: int) -> list[tuple[int, int]]:
+    """[(num_computed_tokens, q_len)] per request; lengths cross block boundaries."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    bs = block_size
+    decode = [(0, 1), (bs - 1, 1), (bs, 1), (2 * bs + rand(1, bs), 1), (rand(1, 40), 1)]
+    prefill = [(0, 1 + bs), (0, rand(2, 40)), (0, 2)]
+    chunked = [(bs, bs + 1), (rand(1, 30), rand(2, 20)), (bs - 1, 2)]
+    if kind == "decode":
+        reqs = decode
+    elif kind == "prefill":
+        reqs = prefill
+    else:
+        reqs = decode + prefill + chunked
+    order = torch.randperm(len(reqs), generator=g).tolist()
+    return [reqs[i] for i in order]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_mixed_batch_matches_dense(backend, block_size, head_dim, heads):
+    num_heads, num_kv_heads = heads
+    seed = block_size * 1000 + head_dim + num_heads
+    reqs = scenario("mixed", block_size, seed)
+    _check_against_dense(BACKENDS[backend], reqs, block_size, heads, head_dim, seed)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_uniform_batch_matches_dense(backend, kind, block_size):
+    reqs = scenario(kind, block_size, seed=7)
+    _check_against_dense(BACKENDS[backend], reqs, block_size, (9, 3), 64, seed=7)
+
+
+def _check_against_dense(attn_fn, reqs, block_size, heads, head_dim, seed, atol=1e-5):
+    num_heads, num_kv_heads = heads
+    b = build_batch(reqs, block_size, num_heads, num_kv_heads, head_dim, seed=seed)
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    scale = head_dim**-0.5
+    out = attn_fn(b["query"], b["k_cache"], b["v_cache"], meta, scale)
+    assert out.shape == b["query"].shape and out.dtype == b["query"].dtype
+    for i, (q, k, v) in enumerate(b["dense"]):
+        rows = out[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]]
+        expected = dense_causal_attention(q, k, v, scale).float()
+        torch.testing.assert_close(rows, expected, atol=atol, rtol=0, msg=f"request {i} {reqs[i]}")
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_bfloat16_close_to_dense(backend):
+    reqs = scenario("mixed", 4, seed=3)
+    b = build_batch(reqs, 4, 8, 2, 64, dtype=torch.bfloat16, seed=3)
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    out = BACKENDS[backend](b["query"], b["k_cache"], b["v_cache"], meta, 0.125)
+    assert out.dtype == torch.bfloat16
+    for i, (q, k, v) in enumerate(b["dense"]):
+        rows = out[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]].float()
+        torch.testing.assert_close(
+            rows, dense_causal_attention(q, k, v, 0.125).float(), atol=3e-2, rtol=0
+        )
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_write_kv_cache_puts_each_token_in_its_slot(block_size):
+    reqs = scenario("mixed", block_size, seed=11)
+    b = build_batch(reqs, block_size, 6, 2, 64, seed=11)
+    k_cache, v_cache, meta = b["k_cache"], b["v_cache"], b["meta"]
+    untouched_before = k_cache.isnan().all(-1).all(-1)  # [num_blocks, block_size]
+    write_kv_cache(b["key"], b["value"], k_cache, v_cache, meta.slot_mapping)
+    written = torch.zeros_like(untouched_before)
+    for t, slot in enumerate(meta.slot_mapping.tolist()):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(k_cache[block, offset], b["key"][t])
+        assert torch.equal(v_cache[block, offset], b["value"][t])
+        written[block, offset] = True
+    # Nothing else changed: slots that were empty and not targeted are still NaN.
+    assert k_cache.isnan().all(-1).all(-1)[untouched_before & ~written].all()
+    assert v_cache.isnan().all(-1).all(-1)[untouched_before & ~written].all()
+    # Each token's slot is where the block table says position p lives.
+    tables = meta.block_tables.tolist()
+    t = 0
+    for i, (num_computed, q_len) in enumerate(reqs):
+        for p in range(num_computed, num_computed + q_len):
+            expected = tables[i][p // block_size] * block_size + p % block_size
+            assert meta.slot_mapping[t] == expected
+            t += 1
+
+
+def test_backend_selection():
+    assert get_attention_backend("torch").forward is paged_attention_ref
+    assert get_attention_backend("sdpa").forward is paged_attention_sdpa
+    assert get_attention_backend("auto").forward is paged_attention_sdpa
+    with pytest.raises(ValueError, match="auto, sdpa, torch"):
+        get_attention_backend("flash")

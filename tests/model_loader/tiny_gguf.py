@@ -1,0 +1,171 @@
+"""Writing tiny llama GGUF files the way llama.cpp's convert_hf_to_gguf.py does, for tests."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.model_loader.gguf_tokenizer import bytes_to_unicode
+
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 256, 2
+HEAD_DIM = HIDDEN // HEADS
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Copied from llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute): HF -> GGUF q/k rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def llama_cpp_rope_freqs(head_dim, base, factor, low, high, old_context_len) -> np.ndarray:
+    """Copied from llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): 3 control tokens, the 256 byte symbols, a few merges."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ w", "Ġw o", "r l", "Ġwo rl"]
+    merges += ["Ġworl d", "l l", "e ll", "h ell", "hell o", "Ġ hello", "Ġ Ġ", "ĊĊ Ċ", "Ċ Ċ"]
+    merged = [m.replace(" ", "") for m in merges]
+    tokens = specials + alphabet + merged
+    types = [3] * len(specials) + [1] * (len(alphabet) + len(merged))
+    return tokens, types, merges
+
+
+def random_hf_weights(
+    vocab_size: int, seed: int = 0, lm_head: bool = False
+) -> dict[str, np.ndarray]:
+    """HF-layout float32 weights for the tiny llama."""
+    g = np.random.default_rng(seed)
+
+    def rand(*shape):
+        return g.standard_normal(shape).astype(np.float32) * 0.5
+
+    w = {"model.embed_tokens.weight": rand(vocab_size, HIDDEN), "model.norm.weight": rand(HIDDEN)}
+    if lm_head:
+        w["lm_head.weight"] = rand(vocab_size, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = rand(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = rand(HIDDEN)
+        w[p + "self_attn.q_proj.weight"] = rand(HEADS * HEAD_DIM, HIDDEN)
+        w[p + "self_attn.k_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
+        w[p + "self_attn.v_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
+        w[p + "self_attn.o_proj.weight"] = rand(HIDDEN, HEADS * HEAD_DIM)
+        w[p + "mlp.gate_proj.weight"] = rand(FFN, HIDDEN)
+        w[p + "mlp.up_proj.weight"] = rand(FFN, HIDDEN)
+        w[p + "mlp.down_proj.weight"] = rand(HIDDEN, FFN)
+    return w
+
+
+_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem = hf_name.removesuffix(".weight")
+    if stem.startswith("model.layers."):
+        _, _, i, rest = stem.split(".", 3)
+        return f"blk.{i}.{_TO_GGUF[rest]}.weight"
+    return f"{_TO_GGUF[stem]}.weight"
+
+
+def write_tiny_llama(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    *,
+    arch: str = "llama",
+    tokenizer: str = "gpt2",
+    rope_freqs: np.ndarray | None = None,
+    raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+    eot_token_id: int | None = None,
+) -> Path:
+    """Write `weights` (HF names and layout) as llama.cpp would: q/k permuted, 2-D weights in
+    `qtype` (norms stay F32, as llama.cpp keeps them), with a tokenizer in the metadata.
+    `raw_tensors` (gguf name -> already-encoded bytes, type) replace the matching weights."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_rope_dimension_count(HEAD_DIM)
+    if tokenizer == "gpt2":
+        tokens, types, merges = gpt2_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
+        if eot_token_id is not None:
+            w.add_eot_token_id(eot_token_id)
+    raw_tensors = raw_tensors or {}
+    for hf_name, array in weights.items():
+        name = gguf_name(hf_name)
+        if name in raw_tensors:
+            data, raw_type = raw_tensors[name]
+            w.add_tensor(name, data, raw_dtype=raw_type)
+            continue
+        if ".attn_q." in name:
+            array = llama_cpp_permute(array, HEADS)
+        elif ".attn_k." in name:
+            array = llama_cpp_permute(array, KV_HEADS)
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(array), qtype)
+            w.add_tensor(name, data, raw_dtype=qtype)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,108 @@
+"""A minimal paged model runner for tests: shuffled physical blocks, per-request block tables,
+AttentionMetadata built step by step, greedy decoding. Not the engine's runner: just enough
+scheduling (chunked prefill, decode rows batched with prefill rows) to exercise the model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class Req:
+    token_ids: list[int]
+    chunk_size: int  # prompt tokens scheduled per step while prefilling
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # one per sampled token
+    num_prompt_tokens: int = 0
+
+
+class PagedRunner:
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 128, seed: int = 0):
+        c = model.config
+        self.model, self.block_size = model, block_size
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # NaN-filled: reading a slot nobody wrote turns the logits into NaN.
+        self.kv_caches = [
+            (
+                torch.full(shape, float("nan"), dtype=model.dtype),
+                torch.full(shape, float("nan"), dtype=model.dtype),
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
+        g = torch.Generator().manual_seed(seed)
+        self.free_blocks = torch.randperm(num_blocks, generator=g).tolist()
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, chunk_sizes: list[int] | None = None
+    ) -> list[Req]:
+        """Greedy decoding of all prompts together; every step schedules each unfinished request
+        (a prompt chunk of chunk_size tokens, or one decode token)."""
+        chunk_sizes = chunk_sizes or [len(p) for p in prompts]
+        reqs = [
+            Req(list(p), cs, num_prompt_tokens=len(p))
+            for p, cs in zip(prompts, chunk_sizes, strict=True)
+        ]
+        while True:
+            active = [r for r in reqs if len(r.token_ids) - r.num_prompt_tokens < max_new_tokens]
+            if not active:
+                return reqs
+            sched = [
+                (r, min(r.chunk_size, len(r.token_ids) - r.num_computed_tokens)) for r in active
+            ]
+            hidden = self.step(sched)
+            last_rows = torch.tensor(self._query_start_loc(sched)[1:]) - 1
+            logits = self.model.compute_logits(hidden[last_rows])
+            for (r, _), row in zip(sched, logits, strict=True):
+                if r.num_computed_tokens == len(r.token_ids):  # prompt done: sample
+                    r.logits.append(row)
+                    r.token_ids.append(int(row.argmax()))
+
+    def step(self, sched: list[tuple[Req, int]]) -> torch.Tensor:
+        """Run the model on num_tokens new tokens of each request; returns hidden [T, hidden]."""
+        bs = self.block_size
+        input_ids, positions, slot_mapping, seq_lens = [], [], [], []
+        for r, n in sched:
+            start = r.num_computed_tokens
+            while len(r.block_table) < math.ceil((start + n) / bs):
+                r.block_table.append(self.free_blocks.pop())
+            for p in range(start, start + n):
+                input_ids.append(r.token_ids[p])
+                positions.append(p)
+                slot_mapping.append(r.block_table[p // bs] * bs + p % bs)
+            seq_lens.append(start + n)
+        width = max(len(r.block_table) for r, _ in sched)
+        block_tables = torch.zeros(len(sched), width, dtype=torch.int32)
+        for i, (r, _) in enumerate(sched):
+            block_tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
+        qsl = self._query_start_loc(sched)
+        meta = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            block_tables=block_tables,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(n for _, n in sched),
+            max_seq_len=max(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
+            )
+        for r, n in sched:
+            r.num_computed_tokens += n
+        return hidden
+
+    @staticmethod
+    def _query_start_loc(sched) -> list[int]:
+        qsl = [0]
+        for _, n in sched:
+            qsl.append(qsl[-1] + n)
+        return qsl

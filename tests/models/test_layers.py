@@ -1,0 +1,99 @@
+"""Layers against their HF counterparts, bit for bit where the arithmetic is the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from pagedllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedllm.layers.rotary import compute_inv_freq
+
+HEAD_DIM = 64
+ROPES = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+}
+
+
+def hf_config(rope: dict) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=HEAD_DIM * 4,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rope_parameters={**rope, "rope_theta": 500000.0},
+    )
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_inv_freq_matches_hf(rope):
+    cfg = hf_config(ROPES[rope])
+    if rope == "default":
+        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope](cfg)
+    ours, _ = compute_inv_freq(HEAD_DIM, 500000.0, ROPES[rope], 1024)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rotary_matches_hf_exactly(rope, dtype):
+    cfg = hf_config(ROPES[rope])
+    hf_rope = LlamaRotaryEmbedding(cfg)
+    ours = RotaryEmbedding(HEAD_DIM, 1024, 500000.0, ROPES[rope])
+    positions = torch.tensor([0, 1, 2, 517, 5, 1023, 3, 300])  # flattened, unordered
+    q = torch.randn(len(positions), 4 * HEAD_DIM).to(dtype)  # [T, H * d], as the model has it
+    k = torch.randn(len(positions), 2, HEAD_DIM).to(dtype)  # [T, kv_heads, d]
+    cos, sin = hf_rope(q, positions[None])
+    hf_q, _ = apply_rotary_pos_emb(
+        q.view(1, -1, 4, HEAD_DIM), q.view(1, -1, 4, HEAD_DIM), cos, sin, 2
+    )
+    hf_k, _ = apply_rotary_pos_emb(k[None], k[None], cos, sin, 2)
+    our_q, our_k = ours(positions, q, k)
+    assert our_q.shape == q.shape and our_k.shape == k.shape
+    torch.testing.assert_close(our_q, hf_q.view_as(q), atol=0, rtol=0)
+    torch.testing.assert_close(our_k, hf_k[0], atol=0, rtol=0)
+
+
+def test_rope_scaling_types():
+    default, n = compute_inv_freq(HEAD_DIM, 10000.0, None, 1024)
+    assert n == 1024
+    same, _ = compute_inv_freq(HEAD_DIM, 10000.0, {"type": "default"}, 1024)  # legacy key
+    assert torch.equal(same, default)
+    linear, n = compute_inv_freq(HEAD_DIM, 10000.0, {"type": "linear", "factor": 2.0}, 1024)
+    assert n == 2048 and torch.allclose(linear, default / 2)
+    dynamic, n = compute_inv_freq(HEAD_DIM, 10000.0, {"rope_type": "dynamic", "factor": 2.0}, 1024)
+    assert n == 2048 and dynamic[0] == 1 and (dynamic[1:] < default[1:]).all()
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        RotaryEmbedding(HEAD_DIM, 1024, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_hf_exactly(dtype):
+    hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    ours = RMSNorm(96, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(96))
+        ours.weight.copy_(hf.weight)
+    x = (3 * torch.randn(7, 96)).to(dtype)
+    torch.testing.assert_close(ours(x), hf(x), atol=0, rtol=0)
+
+
+def test_silu_and_mul():
+    x = torch.randn(5, 2 * 32)
+    gate, up = x[:, :32], x[:, 32:]
+    torch.testing.assert_close(SiluAndMul()(x), gate * torch.sigmoid(gate) * up)
