@@ -103,3 +103,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     )
     assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
     assert len(set(tuple(o.outputs[0].token_ids) for o in batch)) > 1
+
+
+def test_logprobs_match_hf_log_softmax(tiny, tmp_path):
+    path, _ = tiny
+    model = save_tiny_llama(tmp_path)  # same seed: the same weights as `path`
+    llm = LLM(model=path, kv_cache_memory="8MiB")
+    # ignore_eos, not min_tokens: masking EOS would make the sampled token differ from the top-1
+    # of the raw logprobs (which is what logprobs report, as in vLLM).
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[1] + out.token_ids])).logits[0]
+    ref = torch.log_softmax(logits.float(), -1)[len(PROMPTS[1]) - 1 : -1]
+    assert len(out.logprobs) == 8
+    for step, (token_id, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        top = torch.topk(ref[step], 3)
+        assert set(entry) == set(top.indices.tolist())  # greedy: the sampled token is the top-1
+        assert entry[token_id].rank == 1
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - ref[step, tid].item()) < 1e-4
+    chosen = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)]
+    assert abs(out.cumulative_logprob - sum(chosen)) < 1e-6
