@@ -172,3 +172,12 @@ def test_whole_benchmark_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert results["hf"]["kv_cache"]["used_share"] <= 1
     # Same weights, both greedy in fp32: the outputs agree (up to the first EOS).
     assert results["hf"]["greedy_agreement_with_pagedllm"] > 0.95
+
+
+def test_others_cpu_share(monkeypatch):
+    monkeypatch.setattr(throughput.os, "cpu_count", lambda: 2)
+    # 10 s of wall time on 2 cores = 20 CPU s; the machine was busy 16 s, 12 s of it ours.
+    assert throughput.others_cpu_share((100.0, 5.0, 0.0), (116.0, 17.0, 10.0)) == pytest.approx(0.2)
+    assert throughput.others_cpu_share(None, (1.0, 1.0, 1.0)) is None
+    counters = throughput._cpu_counters()
+    assert counters is None or len(counters) == 3

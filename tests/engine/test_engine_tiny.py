@@ -125,3 +125,13 @@ def test_logprobs_match_hf_log_softmax(tiny, tmp_path):
             assert abs(lp.logprob - ref[step, tid].item()) < 1e-4
     chosen = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)]
     assert abs(out.cumulative_logprob - sum(chosen)) < 1e-6
+
+
+def test_profile_run_leaves_the_kv_cache_alone(tiny):
+    # The CUDA memory profile runs this pass; on CPU we check it runs and restores the pool.
+    llm = LLM(model=tiny[0], kv_cache_memory="8MiB")
+    runner = llm.llm_engine.runner
+    before = runner.kv_caches
+    runner.profile_run(num_tokens=100, num_logits=8)
+    assert runner.kv_caches is before
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0].token_ids

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 import types
@@ -127,6 +128,28 @@ class KVUsageTracker:
         }
 
 
+def _cpu_counters() -> tuple[float, float, float] | None:
+    """(busy CPU seconds of the whole machine, this process's CPU seconds, wall seconds)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy, own.user + own.system, time.perf_counter()
+
+
+def others_cpu_share(before, after) -> float | None:
+    """Share of the machine's CPU time other processes used between two `_cpu_counters()`:
+    a CPU benchmark is only worth quoting when this stays near zero."""
+    if before is None or after is None or after[2] <= before[2]:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others) / ((after[2] - before[2]) * (os.cpu_count() or 1))
+
+
 # -- pagedllm -----------------------------------------------------------------------------------
 def _greedy_params(output_len: int):
     from pagedllm.sampling_params import SamplingParams
@@ -146,6 +169,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     outputs: dict[str, list[int]] = {}
     ids = []
     num_steps = 0
+    cpu_before = _cpu_counters()
     start = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
         ids.append(engine.add_request(f"bench-{i}", prompt, _greedy_params(output_len)))
@@ -157,6 +181,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
             if output.finished:
                 outputs[output.request_id] = list(output.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
+    others = others_cpu_share(cpu_before, _cpu_counters())
 
     token_ids = [outputs[i] for i in ids]
     useful = sum(min(len(t), n) for t, (_, n) in zip(token_ids, requests, strict=True))
@@ -173,6 +198,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
         "output_tokens_per_s": useful / elapsed,
         "total_tokens_per_s": (num_prompt_tokens + useful) / elapsed,
         "num_preemptions": getattr(scheduler, "num_preemptions_total", None),
+        "others_cpu_share": others,
         "kv_cache": {
             "block_size": kv.block_size,
             "num_blocks": engine.num_blocks,
@@ -260,6 +286,7 @@ def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str,
 
     token_ids: list[list[int]] = []
     generated = 0
+    cpu_before = _cpu_counters()
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
@@ -269,6 +296,7 @@ def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str,
         for row, (_, n) in enumerate(batch):
             token_ids.append(new_tokens[row, :n].tolist())
     elapsed = time.perf_counter() - start
+    others = others_cpu_share(cpu_before, _cpu_counters())
 
     useful = sum(min(len(t), n) for t, (_, n) in zip(token_ids, requests, strict=True))
     num_prompt_tokens = sum(len(p) for p, _ in requests)
@@ -284,6 +312,7 @@ def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str,
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": useful / elapsed,
         "total_tokens_per_s": (num_prompt_tokens + useful) / elapsed,
+        "others_cpu_share": others,
         "kv_cache": _static_kv_dict(kv),
         "eos_token_ids": eos_ids,
         "token_ids": token_ids,
@@ -326,6 +355,10 @@ def _print_run(name: str, r: dict[str, Any]) -> None:
         f"{r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
         f"{r['total_tokens_per_s']:.1f} total tokens/s"
     )
+    others = r.get("others_cpu_share")
+    if others is not None:
+        note = " (busy machine: these figures are skewed)" if others > 0.1 else ""
+        print(f"[{name}] other processes used {others:.1%} of the machine's CPU meanwhile{note}")
 
 
 def format_table(results: dict[str, Any]) -> str:

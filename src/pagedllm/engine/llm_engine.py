@@ -82,22 +82,24 @@ class LLMEngine:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
 
         self.block_size = args.block_size
-        self.num_blocks = self._num_kv_blocks()
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(
+            2048, min(self.max_model_len, 8192)
+        )
+        if not args.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill disabled: raise "
+                "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
+            )
         self.runner = ModelRunner(
             self.model, config, self.block_size, self.device, self.dtype, seed=args.seed
         )
+        self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
-        max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        if not args.enable_chunked_prefill and max_batched < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
-                f"({self.max_model_len}) with chunked prefill disabled: raise "
-                "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
-            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=max_batched,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
             ),
@@ -151,19 +153,16 @@ class LLMEngine:
         return DEFAULT_CPU_KV_CACHE_MEMORY
 
     def _profile_cuda_kv_budget(self) -> int:
-        """What is left of gpu_memory_utilization x total after the model's weights and a peak
-        activation footprint (a forward pass over a full token budget without a cache)."""
+        """What gpu_memory_utilization x total leaves after the peak of a forward pass over a
+        full token budget (weights + activations) and memory held outside torch."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        n = min(self.args.max_num_batched_tokens or 2048, self.max_model_len)
-        with torch.inference_mode():
-            hidden_states = torch.zeros(n, self.model_config.hidden_size, device=self.device,
-                                        dtype=self.dtype)  # fmt: skip
-            self.model.compute_logits(hidden_states)
+        self.runner.profile_run(self.max_num_batched_tokens, self.args.max_num_seqs)
         peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        return max(0, int(total * self.args.gpu_memory_utilization) - peak - used_by_others)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return max(0, int(total * self.args.gpu_memory_utilization) - peak - used_outside_torch)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -83,8 +83,16 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query/key [T, n_heads * head_dim] or [T, n_heads, head_dim]."""
-        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]  # [T, 1, d/2]
-        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+        return self.apply(query, key, self.cos_sin(positions, query.dtype))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """The [T, 1, d/2] cos and sin of `positions`: gathered once per step, used by all layers."""
+        cos = self.cos_cache[positions].to(dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(dtype)[:, None, :]
+        return cos, sin
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor, cos_sin):
+        cos, sin = cos_sin
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

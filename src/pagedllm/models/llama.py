@@ -30,10 +30,10 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(h, d, d**-0.5, kvh, backend)
 
-    def forward(self, positions, hidden_states, kv_cache, attn_metadata):
+    def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.apply(q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -57,9 +57,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, positions, hidden_states, kv_cache, attn_metadata):
+    def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
         residual = hidden_states
-        h = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
+        h = self.self_attn(cos_sin, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
         hidden_states = residual + h
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -72,6 +72,7 @@ class LlamaModel(nn.Module):
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, backend, dtype)
             for _ in range(config.num_hidden_layers)
@@ -80,8 +81,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+            hidden_states = layer(cos_sin, hidden_states, kv_cache, attn_metadata)
         return self.norm(hidden_states)
 
 

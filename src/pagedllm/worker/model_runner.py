@@ -73,6 +73,31 @@ class ModelRunner:
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(c.num_hidden_layers)]
 
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_logits: int) -> None:
+        """One prefill of `num_tokens` through a throw-away cache, then logits for `num_logits`
+        rows: the step with the largest activation footprint, for memory profiling."""
+        bs, dev = self.block_size, self.device
+        num_blocks = -(-num_tokens // bs)
+        saved, self.kv_caches = self.kv_caches, []
+        self.allocate_kv_cache(num_blocks)
+        meta = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=torch.arange(num_tokens, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            query_start_loc_cpu=[0, num_tokens],
+            seq_lens_cpu=[num_tokens],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        positions = torch.arange(num_tokens, device=dev)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[: min(num_logits, num_tokens)])
+        self.kv_caches = saved
+
     def _prepare_inputs(self, so: SchedulerOutput):
         reqs = so.scheduled_requests
         num_scheduled = np.array([so.num_scheduled_tokens[r.request_id] for r in reqs], np.int64)
