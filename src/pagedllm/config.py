@@ -67,6 +67,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     disable_log_stats: bool = True
 

@@ -52,6 +52,7 @@ class Request:
         max_tokens: int | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -69,6 +70,11 @@ class Request:
         self.stop_reason: int | str | None = None
         # Model-runner state (e.g. a seeded torch.Generator); the core never touches it.
         self.generator: Any = None
+        # Prefix caching: mixed into the first block's hash, so only requests with the same salt
+        # share cached blocks; and the hashes of the full blocks so far, extended as tokens grow
+        # (by kv_cache_manager.update_block_hashes).
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
 
     @property
     def num_prompt_tokens(self) -> int:

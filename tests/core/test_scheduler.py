@@ -15,17 +15,21 @@ _ids = itertools.count()
 
 def make_request(prompt_len: int, max_tokens: int, arrival: float | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    n = next(_ids)
+    # Distinct prompts, so that prefix caching (on by default) shares nothing between requests.
     return Request(
-        f"r{next(_ids)}",
-        list(range(1, prompt_len + 1)),
+        f"r{n}",
+        [1000 * (n + 1) + i for i in range(prompt_len)],
         params,
         eos_token_ids=[0],
         arrival_time=arrival,
     )
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64):
-    kv = KVCacheManager(num_blocks, block_size)
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, prefix_caching=True
+):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     config = SchedulerConfig(max_num_seqs, budget, max_model_len)
     return Scheduler(config, kv)
 
@@ -175,7 +179,8 @@ def test_preemption_by_recompute_evicts_latest_arrival_and_returns_every_block()
 
 
 def test_recompute_reprefills_prompt_plus_output():
-    s = make_scheduler(num_blocks=5, block_size=4, max_model_len=20)
+    # Without prefix caching: nothing of the freed blocks is reused (see test_prefix_caching.py).
+    s = make_scheduler(num_blocks=5, block_size=4, max_model_len=20, prefix_caching=False)
     first, second = make_request(8, 8, arrival=1.0), make_request(6, 8, arrival=2.0)
     s.add_request(first)
     s.add_request(second)

@@ -1,16 +1,28 @@
-"""The physical KV-cache blocks: reference counts and an O(1) free queue. Torch-free."""
+"""The physical KV-cache blocks: reference counts, an O(1) LRU free queue and the prefix cache.
+
+Torch-free. A block is *in use* while its `ref_cnt > 0` and *free* otherwise; a free block sits in
+the free queue, least recently freed at the head. A full block whose tokens are all computed can be
+given a `block_hash` (see `kv_cache_manager.hash_block_tokens`) and entered in the hash → block map.
+Freeing it does not forget the hash (lazy eviction): a later request with the same prefix can
+"touch" it back into use straight out of the middle of the free queue, and the hash only goes when
+`allocate` hands the block out for new contents.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+BlockHash = bytes
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
+    # Hash of the block's tokens chained over its prefix; None unless the block is in the map.
+    block_hash: BlockHash | None = None
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -18,51 +30,117 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Hands out blocks and takes them back the moment their reference count reaches zero."""
+    """Hands out blocks and takes them back the moment their reference count reaches zero.
+
+    The free queue is an OrderedDict keyed by block id: popping the head, appending at the tail
+    and removing a block from the middle (a prefix-cache hit on a free block) are all O(1).
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self._free: deque[KVCacheBlock] = deque(self.blocks)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that `allocate` can hand out, cached (evictable) ones included."""
         return len(self._free)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    # -- allocation -----------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take blocks from the head of the free queue, evicting their cached hash if any."""
         if num_blocks > len(self._free):
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
-        for block in blocks:
+        blocks = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, block
+            self._evict(block)
             block.ref_cnt = 1
+            blocks.append(block)
         return blocks
 
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take another reference on cached blocks (a prefix hit); free ones leave the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each, in the order given; blocks reaching zero join the tail of the
+        free queue, so the first ones given are the first to be evicted later."""
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free.append(block)
+                self._free[block.block_id] = block
 
+    # -- prefix cache ---------------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Enter a full, in-use block in the map. If another block already holds the same tokens
+        (two requests computed the same prefix before either was cached) the first one stays the
+        cached copy and this one remains an ordinary, unhashed block."""
+        assert block.ref_cnt > 0, f"caching free block {block.block_id}"
+        if block.block_hash is not None:
+            assert block.block_hash == block_hash, "a cached block's contents changed"
+            return
+        if block_hash in self.cached_block_hash_to_block:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use, as in vLLM."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_block_hash_to_block)
+
+    # -- checks ---------------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[list[KVCacheBlock]]) -> None:
-        """free + in use == total, and every ref count equals the number of tables holding it."""
+        """free + in use == total, every ref count equals the number of tables holding the
+        block, no block in use is in the free queue, and the hash map and the blocks agree."""
         expected = [0] * self.num_blocks
         for table in block_tables:
             for block in table:
                 expected[block.block_id] += 1
         actual = [b.ref_cnt for b in self.blocks]
         assert actual == expected, "reference counts disagree with the block tables"
-        free_ids = [b.block_id for b in self._free]
-        assert len(free_ids) == len(set(free_ids)), "a block is in the free queue twice"
-        assert all(self.blocks[i].ref_cnt == 0 for i in free_ids), (
-            "a used block is in the free queue"
-        )
+        for block_id, block in self._free.items():
+            assert block is self.blocks[block_id], "the free queue holds a stray block"
+            assert block.ref_cnt == 0, "a used block is in the free queue"
         num_used = sum(1 for c in expected if c > 0)
-        assert num_used + len(free_ids) == self.num_blocks, "blocks leaked: free + used != total"
+        assert num_used + len(self._free) == self.num_blocks, "blocks leaked: free + used != total"
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == block_hash, (
+                "the hash map points at a block with another hash"
+            )
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.cached_block_hash_to_block.get(block.block_hash) is block, (
+                    f"block {block.block_id} has a hash but is not the map's entry for it"
+                )

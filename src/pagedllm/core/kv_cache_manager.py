@@ -1,22 +1,75 @@
-"""Per-request block tables over the block pool. Torch-free."""
+"""Per-request block tables over the block pool, with automatic prefix caching. Torch-free.
+
+Prefix caching (as vLLM V1 does it): a FULL block is named by a hash chained over its parent
+block's hash and its token ids (the first block also mixes in the request's `cache_salt`), so equal
+hashes mean equal prefixes and therefore equal K/V. A new (or preempted) request first looks up the
+longest run of its leading full blocks that are cached, takes references on them and starts its
+`num_computed_tokens` there; the runner then computes only the rest. Blocks become cacheable once
+their tokens are written: `allocate_slots` registers every block that the tokens scheduled this
+step fill up, since the runner writes exactly those tokens in the same step.
+"""
 
 from __future__ import annotations
 
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+import hashlib
+from array import array
+
+from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from pagedllm.request import Request
+
+_NONE_HASH = b"\x00" * 32
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: str | None = None
+) -> BlockHash:
+    """SHA-256 over (parent hash, token ids as int64, extra key).
+
+    SHA-256 rather than the builtin `hash()`: it is 256 bits, so a collision (two different
+    prefixes sharing blocks, i.e. silently wrong output) is out of reach even for a prompt crafted
+    to poison another user's cache, and it is the same in every process (the builtin `hash` of a
+    str salt is randomised per process). It costs about a microsecond per block, once per block.
+    """
+    h = hashlib.sha256(parent_hash or _NONE_HASH)
+    h.update(array("q", token_ids).tobytes())
+    if extra is not None:
+        h.update(b"\x01salt")
+        h.update(extra.encode())
+    return h.digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend `request.block_hashes` to cover every full block of its tokens (incrementally)."""
+    hashes = request.block_hashes
+    tokens = request.all_token_ids
+    for i in range(len(hashes), len(tokens) // block_size):
+        parent = hashes[i - 1] if i else None
+        extra = request.cache_salt if i == 0 else None
+        hashes.append(
+            hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        )
+    return hashes
+
+
 class KVCacheManager:
     """Maps each request's logical blocks to physical ones, growing the table on demand."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the hash map (or were skipped).
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) request.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -26,25 +79,97 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        have = len(self.req_to_blocks.get(request.request_id, ()))
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of the request's leading full blocks that are cached, and the number of
+        tokens they hold. At least the last token is always left to compute (its logits are
+        needed), so a hit covering all tokens on a block boundary gives up its last block."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def num_blocks_to_allocate(
+        self, request: Request, num_new_tokens: int, num_computed_blocks: int = 0
+    ) -> int:
+        have = len(self.req_to_blocks.get(request.request_id, ())) + num_computed_blocks
+        num_computed = request.num_computed_tokens + num_computed_blocks * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size)
         return max(0, need - have)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens; False, changing nothing, if short."""
-        num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens)
-        if num_new_blocks > self.block_pool.num_free_blocks:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens; False, changing nothing, if short.
+
+        `new_computed_blocks` (from `get_computed_blocks`, for a request being admitted) become the
+        head of its table; the caller then sets `num_computed_tokens` to the tokens they hold.
+        Passing a list (even empty) marks an admission and counts it in the hit statistics.
+        """
+        computed = new_computed_blocks or []
+        num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens, len(computed))
+        # Touching a cached block that sits in the free queue takes it out of the free count.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
             return False
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_id = request.request_id
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        if computed:
+            assert not blocks, "computed blocks are only taken by a request with an empty table"
+            self.block_pool.touch(computed)
+            blocks.extend(computed)
+            self.num_cached_blocks[req_id] = len(computed)
         if num_new_blocks:
             blocks.extend(self.block_pool.allocate(num_new_blocks))
+        if new_computed_blocks is not None and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed) * self.block_size
+        if self.enable_prefix_caching:
+            num_tokens_after = (
+                request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+            )
+            self._cache_full_blocks(request, blocks, num_tokens_after // self.block_size)
         return True
 
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int
+    ) -> None:
+        """Register the blocks that are full once this step's tokens are written."""
+        req_id = request.request_id
+        start = self.num_cached_blocks.get(req_id, 0)
+        # Only blocks whose tokens are all known can be named (callers may reserve ahead).
+        num_full_blocks = min(num_full_blocks, request.num_tokens // self.block_size)
+        if num_full_blocks <= start:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        for i in range(start, num_full_blocks):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[req_id] = num_full_blocks
+
     def free(self, request: Request) -> None:
+        """Return the request's blocks, tail first, so tail blocks are evicted before head ones."""
+        self.num_cached_blocks.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -5,6 +5,8 @@ num_computed_tokens`: a whole or partial prompt, or one decode token), then wait
 admitted in arrival order while the token budget, `max_num_seqs` and free blocks allow. When the
 pool runs dry, the most recently arrived running request is preempted: its blocks are freed and it
 goes back to the head of the queue to be recomputed (prompt + output re-prefilled) later.
+With prefix caching, a waiting request starts at its longest cached prefix of full blocks, so a
+resumed request re-prefills only what was evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -128,9 +130,13 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0 or not kv.allocate_slots(request, num_new):
+            # Prefix caching: leading blocks already cached (by anyone, or by this request before
+            # it was preempted) are taken as computed; the budget only pays for the rest.
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
+            if num_new == 0 or not kv.allocate_slots(request, num_new, computed_blocks):
                 break
+            request.num_computed_tokens = num_hit_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             # Keep `running` in arrival order, so a resumed request is not the next victim.
@@ -149,8 +155,12 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(
+        self, request: Request, budget: int, num_computed: int | None = None
+    ) -> int:
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_new = request.num_tokens - num_computed
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(num_new, budget)

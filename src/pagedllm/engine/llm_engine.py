@@ -103,7 +103,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
             ),
-            KVCacheManager(self.num_blocks, self.block_size),
+            KVCacheManager(self.num_blocks, self.block_size, args.enable_prefix_caching),
         )
         self._states: dict[str, _RequestState] = {}
         self._request_counter = itertools.count()
@@ -183,8 +183,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         delta: bool = False,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; `delta=True` makes each output carry only the new text and tokens."""
+        """Queue a request; `delta=True` makes each output carry only the new text and tokens.
+        Requests share prefix-cached blocks only with requests of the same `cache_salt`."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self._states:
@@ -197,7 +199,14 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
-            request_id, token_ids, params, self.eos_token_ids, max_tokens, text, arrival_time
+            request_id,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            max_tokens,
+            text,
+            arrival_time,
+            cache_salt=cache_salt,
         )
         detokenizer = None
         if self.tokenizer is not None:
@@ -235,6 +244,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting

@@ -34,10 +34,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flag, (type_, help_) in _ENGINE_FLAGS.items():
         field = flag[2:].replace("-", "_")
         default = getattr(defaults, field)
-        group.add_argument(flag, type=type_, default=default,
-                           help=f"{help_} (default: {default})")  # fmt: skip
+        shown = "" if default is None else f" (default: {default})"
+        group.add_argument(flag, type=type_, default=default, help=help_ + shown)
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True, help="split long prompts across steps")  # fmt: skip
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="reuse the KV blocks of prompt prefixes seen before")  # fmt: skip
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -86,7 +86,7 @@ class RotaryEmbedding(nn.Module):
         return self.apply(query, key, self.cos_sin(positions, query.dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """The [T, 1, d/2] cos and sin of `positions`: gathered once per step, used by all layers."""
+        """The [T, 1, d/2] cos and sin of `positions`: gathered once a step for all layers."""
         cos = self.cos_cache[positions].to(dtype)[:, None, :]
         sin = self.sin_cache[positions].to(dtype)[:, None, :]
         return cos, sin
