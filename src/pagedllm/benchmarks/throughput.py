@@ -150,6 +150,24 @@ def others_cpu_share(before, after) -> float | None:
     return max(0.0, others) / ((after[2] - before[2]) * (os.cpu_count() or 1))
 
 
+def _speed_figures(
+    requests: list[WorkloadRequest], token_ids: list[list[int]], generated: int, elapsed: float
+) -> dict[str, Any]:
+    """Throughput counting only useful output tokens (each request's own output_len)."""
+    useful = sum(min(len(t), n) for t, (_, n) in zip(token_ids, requests, strict=True))
+    num_prompt_tokens = sum(len(p) for p, _ in requests)
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(requests),
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_output_tokens": generated,
+        "num_useful_output_tokens": useful,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": useful / elapsed,
+        "total_tokens_per_s": (num_prompt_tokens + useful) / elapsed,
+    }
+
+
 # -- pagedllm -----------------------------------------------------------------------------------
 def _greedy_params(output_len: int):
     from pagedllm.sampling_params import SamplingParams
@@ -184,19 +202,9 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     others = others_cpu_share(cpu_before, _cpu_counters())
 
     token_ids = [outputs[i] for i in ids]
-    useful = sum(min(len(t), n) for t, (_, n) in zip(token_ids, requests, strict=True))
-    generated = sum(len(t) for t in token_ids)
-    num_prompt_tokens = sum(len(p) for p, _ in requests)
     return {
-        "elapsed_s": elapsed,
+        **_speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
         "num_steps": num_steps,
-        "num_requests": len(requests),
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_output_tokens": generated,
-        "num_useful_output_tokens": useful,
-        "requests_per_s": len(requests) / elapsed,
-        "output_tokens_per_s": useful / elapsed,
-        "total_tokens_per_s": (num_prompt_tokens + useful) / elapsed,
         "num_preemptions": getattr(scheduler, "num_preemptions_total", None),
         "others_cpu_share": others,
         "kv_cache": {
@@ -298,20 +306,11 @@ def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str,
     elapsed = time.perf_counter() - start
     others = others_cpu_share(cpu_before, _cpu_counters())
 
-    useful = sum(min(len(t), n) for t, (_, n) in zip(token_ids, requests, strict=True))
-    num_prompt_tokens = sum(len(p) for p, _ in requests)
     kv = static_batch_kv_usage([(len(p), n) for p, n in requests], batch_size)
     return {
-        "elapsed_s": elapsed,
+        **_speed_figures(requests, token_ids, generated, elapsed),
         "batch_size": batch_size,
         "num_batches": -(-len(requests) // batch_size),
-        "num_requests": len(requests),
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_output_tokens": generated,
-        "num_useful_output_tokens": useful,
-        "requests_per_s": len(requests) / elapsed,
-        "output_tokens_per_s": useful / elapsed,
-        "total_tokens_per_s": (num_prompt_tokens + useful) / elapsed,
         "others_cpu_share": others,
         "kv_cache": _static_kv_dict(kv),
         "eos_token_ids": eos_ids,
