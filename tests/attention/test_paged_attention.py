@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,24 +71,10 @@ def build_batch(reqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch
         slot_mapping += slots[num_computed:]
 
     width = max(blocks_needed) + 1  # an extra padded column that must never be read
-    tables = torch.zeros(len(reqs), width, dtype=torch.int32)
+    tables = np.zeros((len(reqs), width), np.int32)
     for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = torch.tensor(table)
-    q_lens = [q for _, q in reqs]
-    qsl = [0]
-    for q_len in q_lens:
-        qsl.append(qsl[-1] + q_len)
-    meta = AttentionMetadata(
-        block_size=block_size,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        block_tables=tables,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
+        tables[i, : len(table)] = table
+    meta = AttentionMetadata.build(block_size, slot_mapping, tables, [q for _, q in reqs], seq_lens)
     return dict(
         query=torch.cat(queries),
         key=torch.cat(new_k),

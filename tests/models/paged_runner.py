@@ -4,6 +4,7 @@ scheduling (chunked prefill, decode rows batched with prefill rows) to exercise 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ class PagedRunner:
                 (r, min(r.chunk_size, len(r.token_ids) - r.num_computed_tokens)) for r in active
             ]
             hidden = self.step(sched)
-            last_rows = torch.tensor(self._query_start_loc(sched)[1:]) - 1
+            last_rows = torch.tensor(list(itertools.accumulate(n for _, n in sched))) - 1
             logits = self.model.compute_logits(hidden[last_rows])
             for (r, _), row in zip(sched, logits, strict=True):
                 if r.num_computed_tokens == len(r.token_ids):  # prompt done: sample
@@ -76,21 +77,8 @@ class PagedRunner:
                 positions.append(p)
                 slot_mapping.append(r.block_table[p // bs] * bs + p % bs)
             seq_lens.append(start + n)
-        width = max(len(r.block_table) for r, _ in sched)
-        block_tables = torch.zeros(len(sched), width, dtype=torch.int32)
-        for i, (r, _) in enumerate(sched):
-            block_tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
-        qsl = self._query_start_loc(sched)
-        meta = AttentionMetadata(
-            block_size=bs,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-            block_tables=block_tables,
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(n for _, n in sched),
-            max_seq_len=max(seq_lens),
+        meta = AttentionMetadata.build(
+            bs, slot_mapping, [r.block_table for r, _ in sched], [n for _, n in sched], seq_lens
         )
         with torch.inference_mode():
             hidden = self.model(
@@ -99,10 +87,3 @@ class PagedRunner:
         for r, n in sched:
             r.num_computed_tokens += n
         return hidden
-
-    @staticmethod
-    def _query_start_loc(sched) -> list[int]:
-        qsl = [0]
-        for _, n in sched:
-            qsl.append(qsl[-1] + n)
-        return qsl

@@ -8,8 +8,10 @@ context, and decode (q_len == 1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,3 +39,39 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+    @classmethod
+    def build(
+        cls,
+        block_size: int,
+        slot_mapping: Sequence[int] | np.ndarray,
+        block_tables: Sequence[Sequence[int]] | np.ndarray,
+        query_lens: Sequence[int] | np.ndarray,
+        seq_lens: Sequence[int] | np.ndarray,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """From host-side values; ragged block tables are padded with block 0."""
+        if not isinstance(block_tables, np.ndarray):
+            width = max(len(t) for t in block_tables)
+            padded = np.zeros((len(block_tables), width), np.int32)
+            for i, table in enumerate(block_tables):
+                padded[i, : len(table)] = table
+            block_tables = padded
+        query_start_loc = np.zeros(len(query_lens) + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        seq_lens = np.asarray(seq_lens, np.int64)
+
+        def to_device(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+
+        return cls(
+            block_size=block_size,
+            slot_mapping=to_device(slot_mapping, np.int64),
+            block_tables=to_device(block_tables, np.int32),
+            query_start_loc=to_device(query_start_loc, np.int32),
+            seq_lens=to_device(seq_lens, np.int32),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(np.max(query_lens)),
+            max_seq_len=int(seq_lens.max()),
+        )

@@ -81,16 +81,8 @@ class ModelRunner:
         num_blocks = -(-num_tokens // bs)
         saved, self.kv_caches = self.kv_caches, []
         self.allocate_kv_cache(num_blocks)
-        meta = AttentionMetadata(
-            block_size=bs,
-            slot_mapping=torch.arange(num_tokens, device=dev),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            query_start_loc_cpu=[0, num_tokens],
-            seq_lens_cpu=[num_tokens],
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
+        meta = AttentionMetadata.build(
+            bs, np.arange(num_tokens), [list(range(num_blocks))], [num_tokens], [num_tokens], dev
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.arange(num_tokens, device=dev)
@@ -131,17 +123,7 @@ class ModelRunner:
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
         dev = self.device
-        meta = AttentionMetadata(
-            block_size=bs,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(block_table).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+        meta = AttentionMetadata.build(bs, slot_mapping, block_table, num_scheduled, seq_lens, dev)
         input_ids_t = torch.from_numpy(input_ids).to(dev)
         positions_t = torch.from_numpy(positions).to(dev)
         return input_ids_t, positions_t, meta, [reqs[i] for i in sample_rows], logits_indices
