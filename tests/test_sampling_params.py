@@ -12,7 +12,9 @@ NAN = float("nan")
     [
         ("n", dict(n=0)),
         ("n", dict(n=1.5)),
-        ("n", dict(n=2)),  # parallel sampling is not supported yet
+        ("best_of", dict(n=3, best_of=2)),
+        ("best_of", dict(best_of=2.0)),
+        ("early_stopping", dict(use_beam_search=True, temperature=0, early_stopping="sometimes")),
         ("presence_penalty", dict(presence_penalty=2.5)),
         ("presence_penalty", dict(presence_penalty=NAN)),
         ("frequency_penalty", dict(frequency_penalty=-2.1)),

@@ -16,6 +16,29 @@ class Logprob:
 
 
 @dataclass
+class TokenLogprobs:
+    """What the runner reports for one generated token: its logprob and rank, then the top-N
+    (token id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, keyed by sequence id (`Request.seq_id`)."""
+
+    # The tokens drawn for each sampled sequence: one, or `num_samples` for a group's first.
+    sampled_token_ids: dict[str, list[int]]
+    # Aligned with sampled_token_ids, for sequences whose logprobs are needed.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Beam search: each beam's best next tokens and their logprobs, best first.
+    beam_candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str

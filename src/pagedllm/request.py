@@ -1,8 +1,18 @@
-"""Per-request state shared by the scheduler (torch-free) and the model runner."""
+"""Per-request state shared by the scheduler (torch-free) and the model runner.
+
+A `Request` is one sequence: a prompt and the tokens generated after it. A user request that asks
+for several outputs (n > 1 or best_of samples, or beam search) is a `SequenceGroup` of such
+sequences: it starts as one sequence, which is forked after the prompt (samples) or at every step
+(beams). Forked sequences share their blocks until one writes into a shared block
+(copy-on-write, in the KV cache manager). The scheduler treats a group as a unit: admitted,
+scheduled, preempted and resumed together.
+"""
 
 from __future__ import annotations
 
+import copy
 import enum
+import itertools
 import time
 from typing import Any
 
@@ -36,7 +46,7 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """A prompt and its generated tokens.
+    """One sequence: a prompt and its generated tokens.
 
     The one invariant the scheduler drives: `num_computed_tokens` (tokens whose K/V are in the
     cache) catches up with `num_tokens` (prompt + output). Prefill, chunked prefill and recompute
@@ -55,6 +65,10 @@ class Request:
         cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # The key of this sequence's block table and scheduled tokens: the request id for the
+        # first sequence of a group, a derived unique id for its forks.
+        self.seq_id = request_id
+        self.sample_index = 0  # which of the group's samples (or beams) this is
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -68,13 +82,16 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        # Model-runner state (e.g. a seeded torch.Generator); the core never touches it.
-        self.generator: Any = None
+        # Sum of the raw logprobs of the output tokens (ranks best_of samples and beams), and the
+        # runner's per-token logprob records when they are computed.
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[Any] = []
         # Prefix caching: mixed into the first block's hash, so only requests with the same salt
         # share cached blocks; and the hashes of the full blocks so far, extended as tokens grow
         # (by kv_cache_manager.update_block_hashes).
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
+        self.group = SequenceGroup(self)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,8 +112,81 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def num_samples(self) -> int:
+        """Tokens to draw from this sequence's next logits: every sample of a group that has not
+        forked yet (it forks on its first token), otherwise one."""
+        group = self.group
+        if group.num_samples > 1 and not group.is_beam_search and self.num_output_tokens == 0:
+            return group.num_samples
+        return 1
+
+    def fork(self, seq_id: str, sample_index: int) -> Request:
+        """A copy sharing everything so far; the KV cache manager shares its blocks."""
+        child = copy.copy(self)
+        child.seq_id = seq_id
+        child.sample_index = sample_index
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.output_logprobs = list(self.output_logprobs)
+        self.group.seqs.append(child)
+        return child
+
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"Request({self.seq_id!r}, status={self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+class SequenceGroup:
+    """The sequences of one user request (see the module docstring).
+
+    `seqs` holds the live sequences in sample order; finished ones move to `finished_seqs`.
+    Beam search keeps its finished hypotheses in `beam` (a `BeamSearchState`) instead.
+    """
+
+    def __init__(self, first: Request) -> None:
+        params = first.sampling_params
+        self.request_id = first.request_id
+        self.first = first  # the original sequence: prompt, parameters, arrival time
+        self.seqs: list[Request] = [first]
+        self.finished_seqs: list[Request] = []
+        self.is_beam_search = params.use_beam_search
+        # Sequences to run: best_of samples (n unless given) or beam_width beams.
+        self.num_samples = params.num_sequences
+        # Model-runner state per sample index (a seeded torch.Generator); the core never reads it.
+        self.generators: dict[int, Any] = {}
+        self.beam: Any = None  # a BeamSearchState, set by the scheduler for beam search
+        self.num_preemptions = 0
+        self._fork_ids = itertools.count(1)
+
+
+    @property
+    def arrival_time(self) -> float:
+        return self.first.arrival_time
+
+    @property
+    def sampling_params(self):
+        return self.first.sampling_params
+
+    def is_finished(self) -> bool:
+        return not self.seqs
+
+    @property
+    def max_num_running_seqs(self) -> int:
+        """Sequences this group may run at once (what admission must leave room for)."""
+        if self.is_beam_search or (self.seqs and self.seqs[0].num_samples > 1):
+            return self.num_samples  # beams, or samples that have not forked yet
+        return len(self.seqs)
+
+    def new_seq_id(self, taken) -> str:
+        """A fork id unique among the live sequences `taken` (a container of seq ids)."""
+        while True:
+            seq_id = f"{self.request_id}#{next(self._fork_ids)}"
+            if seq_id not in taken:
+                return seq_id
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={self.seqs})"

@@ -10,6 +10,9 @@ _SAMPLING_EPS = 1e-5
 @dataclass
 class SamplingParams:
     n: int = 1
+    # Samples to generate, of which the n with the highest cumulative logprob are returned
+    # (vLLM dropped it; OpenAI clients still send it). None: n. With beam search, the beam width.
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -29,6 +32,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # Beam search (as vLLM's V0 extra parameters): best_of (or n) beams, the n best returned,
+    # ranked by cumulative logprob / generated_length ** length_penalty. early_stopping: True stops
+    # once best_of hypotheses are finished, False when no running beam can still beat them (HF's
+    # heuristic), "never" only at max_tokens or when that is provably true.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Filled by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -56,9 +66,15 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.n > 1:
-            # Parallel sampling shares blocks through copy-on-write (a later milestone).
-            raise ValueError(f"n > 1 is not supported yet, got n={self.n}")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or self.best_of < self.n:
+                raise ValueError(
+                    f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
+                )
+        if self.use_beam_search:
+            self._verify_beam_search()
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            raise ValueError("length_penalty and early_stopping only apply with use_beam_search")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
@@ -109,7 +125,59 @@ class SamplingParams:
                 logit_bias[token_id] = bias
             self.logit_bias = logit_bias
 
+    def _verify_beam_search(self) -> None:
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+            )
+        if not isinstance(self.length_penalty, int | float) or self.length_penalty != (
+            self.length_penalty
+        ):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.stop:
+            raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
+        if not self.is_greedy or self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0:
+            raise ValueError(
+                "beam search is deterministic: temperature must be 0 and top_p, top_k and min_p "
+                "must be left at their defaults"
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: best_of (or n) samples, or that many beams."""
+        return self.best_of or self.n
+
     def clone(self) -> SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` parameters (vLLM's names). Deterministic: temperature must be 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+    stop_token_ids: list[int] | None = None
+
+    def to_sampling_params(self, n: int | None = None) -> SamplingParams:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        return SamplingParams(
+            n=n or self.beam_width,
+            best_of=self.beam_width,
+            use_beam_search=True,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            stop_token_ids=self.stop_token_ids,
+        )

@@ -5,6 +5,7 @@ import itertools
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.kv_cache_manager import KVCacheManager, hash_block_tokens, update_block_hashes
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
@@ -30,8 +31,9 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, max_model_len=64, cac
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {r.request_id: token for r in out.scheduled_requests if out.needs_sample(r)}
-    finished = s.update_from_output(out, sampled)
+    sampled = {r.seq_id: [token] for r in out.scheduled_requests if out.needs_sample(r)}
+    groups = s.update_from_output(out, ModelRunnerOutput(sampled))
+    finished = [g.first for g in groups if g.is_finished()]
     s.check_integrity()
     return out, finished
 

@@ -7,6 +7,7 @@ import pytest
 from pagedllm.core.block_pool import BlockPool, NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
@@ -41,8 +42,9 @@ def step(scheduler: Scheduler, token: int = 7):
         # Block table covers every token computed after this step.
         n = r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
         assert len(out.block_ids[r.request_id]) * scheduler.kv_cache_manager.block_size >= n
-    sampled = {r.request_id: token for r in out.scheduled_requests if out.needs_sample(r)}
-    finished = scheduler.update_from_output(out, sampled)
+    sampled = {r.seq_id: [token] for r in out.scheduled_requests if out.needs_sample(r)}
+    groups = scheduler.update_from_output(out, ModelRunnerOutput(sampled))
+    finished = [g.first for g in groups if g.is_finished()]
     scheduler.check_integrity()
     return out, finished
 
@@ -207,7 +209,7 @@ def test_new_request_waits_behind_preempted_one():
         step(s)
     c = make_request(1, 1, arrival=3.0)
     s.add_request(c)
-    assert list(s.waiting)[0] is b  # the preempted request resumes before anything new
+    assert list(s.waiting)[0] is b.group  # the preempted request resumes before anything new
     order = []
     while s.has_unfinished_requests():
         out, finished = step(s)

@@ -244,8 +244,8 @@ def test_seeded_request_independent_of_batch():
             out = run(sampler, rows, batch)
             tokens.append(out.sampled_token_ids[min(position, size - 1)].item())
             target.append_output_token(tokens[-1])
-            generator = generator or target.generator
-            assert target.generator is generator  # created once, carried across steps
+            generator = generator or target.group.generators[0]
+            assert target.group.generators[0] is generator  # created once, carried across steps
         return tokens
 
     alone = sample_steps([1] * steps, 0, sampler_seed=0)

@@ -85,7 +85,7 @@ class KVUsageTracker:
         self.min_share: float | None = None
 
     def observe(self, kv_cache_manager, requests: dict) -> tuple[int, int]:
-        """`requests` maps request_id → Request (for num_computed_tokens)."""
+        """`requests` maps seq_id → Request (for num_computed_tokens)."""
         block_size = kv_cache_manager.block_size
         filled: dict[int, int] = {}
         for request_id, blocks in kv_cache_manager.req_to_blocks.items():
@@ -194,7 +194,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     while engine.has_unfinished_requests():
         step_outputs = engine.step()
         num_steps += 1
-        tracker.observe(kv, scheduler.requests)
+        tracker.observe(kv, scheduler.running_seqs_by_id())
         for output in step_outputs:
             if output.finished:
                 outputs[output.request_id] = list(output.outputs[0].token_ids)

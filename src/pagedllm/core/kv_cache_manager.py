@@ -7,6 +7,13 @@ longest run of its leading full blocks that are cached, takes references on them
 `num_computed_tokens` there; the runner then computes only the rest. Blocks become cacheable once
 their tokens are written: `allocate_slots` registers every block that the tokens scheduled this
 step fill up, since the runner writes exactly those tokens in the same step.
+
+Sharing and copy-on-write: `fork` gives a new sequence the same block table, taking one more
+reference on every block. Only the block a step writes into can diverge: when a sequence is about
+to write into a partly filled block that others also hold, `allocate_slots` gives it a fresh block
+and records a (source, destination) pair in `blocks_to_copy`; the runner copies all of a step's
+pairs in one batched operation before the forward pass. Full blocks are never written again, so
+they stay shared for good.
 """
 
 from __future__ import annotations
@@ -64,7 +71,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        # Block tables, keyed by sequence id (`Request.seq_id`).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Copy-on-write pairs (source block id, destination block id) not yet handed to a step.
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.num_copied_blocks = 0
         # How many leading blocks of each request are already in the hash map (or were skipped).
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) request.
@@ -104,10 +115,44 @@ class KVCacheManager:
     def num_blocks_to_allocate(
         self, request: Request, num_new_tokens: int, num_computed_blocks: int = 0
     ) -> int:
-        have = len(self.req_to_blocks.get(request.request_id, ())) + num_computed_blocks
+        have = len(self.req_to_blocks.get(request.seq_id, ())) + num_computed_blocks
         num_computed = request.num_computed_tokens + num_computed_blocks * self.block_size
         need = cdiv(num_computed + num_new_tokens, self.block_size)
         return max(0, need - have)
+
+    def _shared_write_block(self, request: Request) -> KVCacheBlock | None:
+        """The partly filled block the next token goes into, if other sequences hold it too."""
+        offset = request.num_computed_tokens % self.block_size
+        if offset == 0:
+            return None  # the next token starts a new block
+        block = self.req_to_blocks[request.seq_id][request.num_computed_tokens // self.block_size]
+        return block if block.ref_cnt > 1 else None
+
+    def num_blocks_needed(self, requests: list[tuple[Request, int]]) -> int:
+        """Free blocks that allocating `num_new_tokens` for each (running) sequence takes, counting
+        copy-on-write: of k sequences writing into one block held k times, k - 1 copy it."""
+        total = 0
+        writers: dict[int, list[int]] = {}  # shared block id -> [ref_cnt, sequences writing]
+        for request, num_new_tokens in requests:
+            total += self.num_blocks_to_allocate(request, num_new_tokens)
+            block = self._shared_write_block(request)
+            if block is not None:
+                writers.setdefault(block.block_id, [block.ref_cnt, 0])[1] += 1
+        for ref_cnt, num_writers in writers.values():
+            total += num_writers if ref_cnt > num_writers else num_writers - 1
+        return total
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's block table: every block gains a reference, none is copied."""
+        blocks = self.req_to_blocks.get(parent.seq_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.seq_id] = list(blocks)
+        if parent.seq_id in self.num_cached_blocks:
+            self.num_cached_blocks[child.seq_id] = self.num_cached_blocks[parent.seq_id]
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        pairs, self.blocks_to_copy = self.blocks_to_copy, []
+        return pairs
 
     def allocate_slots(
         self,
@@ -125,10 +170,19 @@ class KVCacheManager:
         num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens, len(computed))
         # Touching a cached block that sits in the free queue takes it out of the free count.
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+        req_id = request.seq_id
+        shared = self._shared_write_block(request) if req_id in self.req_to_blocks else None
+        num_copies = 1 if shared is not None else 0
+        if num_new_blocks + num_evictable_hits + num_copies > self.block_pool.num_free_blocks:
             return False
-        req_id = request.request_id
         blocks = self.req_to_blocks.setdefault(req_id, [])
+        if shared is not None:
+            # Copy-on-write: this sequence writes into its own copy; the others keep the block.
+            (copy,) = self.block_pool.allocate(1)
+            blocks[request.num_computed_tokens // self.block_size] = copy
+            self.block_pool.free([shared])
+            self.blocks_to_copy.append((shared.block_id, copy.block_id))
+            self.num_copied_blocks += 1
         if computed:
             assert not blocks, "computed blocks are only taken by a request with an empty table"
             self.block_pool.touch(computed)
@@ -146,11 +200,27 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_tokens_after // self.block_size)
         return True
 
+    def allocate_group(self, entries: list[tuple[Request, int, list[KVCacheBlock]]]) -> bool:
+        """Admit several sequences at once, all or none: (sequence, new tokens, prefix-hit blocks)
+        each. The hit blocks are pinned first so that one sequence's allocation cannot evict a
+        cached block another one is about to reuse."""
+        hit_blocks = list({id(b): b for _, _, blocks in entries for b in blocks}.values())
+        need = sum(self.num_blocks_to_allocate(seq, n, len(blocks)) for seq, n, blocks in entries)
+        need += sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if need > self.block_pool.num_free_blocks:
+            return False
+        self.block_pool.touch(hit_blocks)
+        for seq, num_new_tokens, blocks in entries:
+            allocated = self.allocate_slots(seq, num_new_tokens, blocks)
+            assert allocated, "counted above"
+        self.block_pool.free(hit_blocks)
+        return True
+
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int
     ) -> None:
         """Register the blocks that are full once this step's tokens are written."""
-        req_id = request.request_id
+        req_id = request.seq_id
         start = self.num_cached_blocks.get(req_id, 0)
         # Only blocks whose tokens are all known can be named (callers may reserve ahead).
         num_full_blocks = min(num_full_blocks, request.num_tokens // self.block_size)
@@ -163,16 +233,21 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first, so tail blocks are evicted before head ones."""
-        self.num_cached_blocks.pop(request.request_id, None)
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.seq_id, None)
+        blocks = self.req_to_blocks.pop(request.seq_id, None)
         if blocks:
             self.block_pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(seq_id, ())]
+
+    @property
+    def num_logical_blocks(self) -> int:
+        """Blocks the sequences would hold without any sharing (sum of block table lengths)."""
+        return sum(len(blocks) for blocks in self.req_to_blocks.values())
 
     def check_integrity(self) -> None:
         self.block_pool.check_integrity(self.req_to_blocks.values())

@@ -1,12 +1,18 @@
 """Continuous batching under a per-step token budget, FCFS, preemption by recompute. Torch-free.
 
-Each step every running request gets the tokens it still lacks (`num_tokens -
-num_computed_tokens`: a whole or partial prompt, or one decode token), then waiting requests are
-admitted in arrival order while the token budget, `max_num_seqs` and free blocks allow. When the
-pool runs dry, the most recently arrived running request is preempted: its blocks are freed and it
-goes back to the head of the queue to be recomputed (prompt + output re-prefilled) later.
-With prefix caching, a waiting request starts at its longest cached prefix of full blocks, so a
-resumed request re-prefills only what was evicted meanwhile.
+The unit of scheduling is a sequence group (one user request: a single sequence, n / best_of
+samples or beam_width beams; see request.py). Each step every running group's sequences get the
+tokens they still lack (`num_tokens - num_computed_tokens`: a whole or partial prompt, or one
+decode token), then waiting groups are admitted in arrival order while the token budget,
+`max_num_seqs` (counted in sequences) and free blocks allow. When the pool runs dry, the most
+recently arrived running group is preempted as a whole (gang scheduling): the blocks of all its
+sequences are freed and it goes back to the head of the queue, to be recomputed (prompt + output
+re-prefilled) and resumed as a whole later. With prefix caching, a waiting sequence starts at its
+longest cached prefix of full blocks, so a resumed group re-prefills only what was evicted
+meanwhile, and its sequences share their common prompt blocks again.
+
+A group's sequences advance in lockstep: the step that samples one of them samples all, since
+beam search compares every beam's candidates and a sampling group forks on its first token.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedllm.core.beam_search import BeamSearchState
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.request import Request, RequestStatus
+from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.request import Request, RequestStatus, SequenceGroup
 
 
 @dataclass
@@ -32,17 +40,19 @@ class SchedulerConfig:
 class SchedulerOutput:
     """What the model runner needs for one step; the scheduler never touches tensors."""
 
-    scheduled_requests: list[Request]
+    scheduled_requests: list[Request]  # sequences; dicts below are keyed by their seq_id
     num_scheduled_tokens: dict[str, int]
     block_ids: dict[str, list[int]]
     total_num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step, so the runner can drop their state.
     finished_request_ids: set[str] = field(default_factory=set)
+    # Copy-on-write (source block id, destination block id) pairs, copied before the forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     def needs_sample(self, request: Request) -> bool:
-        """True when this step reaches the end of the request's known tokens."""
-        n = self.num_scheduled_tokens[request.request_id]
+        """True when this step reaches the end of the sequence's known tokens."""
+        n = self.num_scheduled_tokens[request.seq_id]
         return request.num_computed_tokens + n == request.num_tokens
 
     @property
@@ -54,49 +64,98 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # in arrival order
+        self.requests: dict[str, SequenceGroup] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions_total = 0
+        self._num_running_seqs = 0
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
-        self.requests[request.request_id] = request
+        """Queue a new request (its first sequence; `request.group` is the group)."""
+        group = request.group
+        params = request.sampling_params
+        if group.is_beam_search and group.beam is None:
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += [t for t in request.eos_token_ids if t not in stop_ids]
+            max_tokens = min(
+                request.max_tokens or self.config.max_model_len,
+                self.config.max_model_len - request.num_prompt_tokens,
+            )
+            group.beam = BeamSearchState(
+                group.num_samples, max_tokens, params.length_penalty, params.early_stopping,
+                stop_ids, params.logprobs,
+            )  # fmt: skip
+        self.waiting.append(group)
+        self.requests[group.request_id] = group
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Stop requests (stop string hit, abort) wherever they are; frees their blocks at once."""
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[SequenceGroup]:
+        """Stop whole requests (abort) wherever they are; frees their blocks at once."""
         assert status.is_finished
         finished = []
         for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished():
+            group = self.requests.get(request_id)
+            if group is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+            if group in self.running:
+                self.running.remove(group)
+                self._num_running_seqs -= len(group.seqs)
             else:
-                self.waiting.remove(request)
-            request.status = status
-            self._free(request)
-            finished.append(request)
+                self.waiting.remove(group)
+            for seq in list(group.seqs):
+                self._finish_seq(seq, status)
+            self._remove(group)
+            finished.append(group)
         return finished
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
-        self._finished_since_last_step.add(request.request_id)
+    def finish_seq(self, seq: Request, status: RequestStatus) -> None:
+        """Stop one sequence (a stop string matched); its group ends with its last sequence."""
+        group = seq.group
+        if seq.is_finished() or group.request_id not in self.requests:
+            return
+        running = group in self.running
+        self._finish_seq(seq, status)
+        if running:
+            self._num_running_seqs -= 1
+        if group.is_finished():
+            if running:
+                self.running.remove(group)
+            else:
+                self.waiting.remove(group)
+            self._remove(group)
+
+    def _finish_seq(self, seq: Request, status: RequestStatus) -> None:
+        seq.status = status
+        self.kv_cache_manager.free(seq)
+        seq.group.seqs.remove(seq)
+        seq.group.finished_seqs.append(seq)
+
+    def _remove(self, group: SequenceGroup) -> None:
+        del self.requests[group.request_id]
+        self._finished_since_last_step.add(group.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     @property
     def num_running(self) -> int:
+        """Running requests (sequence groups)."""
         return len(self.running)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return self._num_running_seqs
+
+    def running_seqs_by_id(self) -> dict[str, Request]:
+        return {seq.seq_id: seq for group in self.running for seq in group.seqs}
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -104,108 +163,227 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled: dict[str, int] = {}
-        preempted: list[Request] = []
+        preempted: list[SequenceGroup] = []
 
-        # Running requests first, in arrival order; preempt from the back when blocks run out.
+        # Running groups first, in arrival order; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:
+            group = self.running[i]
+            plan = self._plan_tokens(group.seqs, budget)
+            if not plan:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, preempted):
-                break  # the request itself was preempted: nothing later can fit either
-            scheduled.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            if not self._allocate_or_preempt(group, plan, preempted):
+                break  # the group itself was preempted: nothing later can fit either
+            for seq, num_new in plan:
+                scheduled.append(seq)
+                num_scheduled[seq.seq_id] = num_new
+                budget -= num_new
             i += 1
 
-        # Then waiting requests, strictly FCFS (preempted ones sit at the head). Nothing new is
+        # Then waiting groups, strictly FCFS (preempted ones sit at the head). Nothing new is
         # admitted in a step that had to preempt.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            # Prefix caching: leading blocks already cached (by anyone, or by this request before
-            # it was preempted) are taken as computed; the budget only pays for the rest.
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, budget, num_hit_tokens)
-            if num_new == 0 or not kv.allocate_slots(request, num_new, computed_blocks):
+        while not preempted and self.waiting and budget > 0:
+            group = self.waiting[0]
+            if self._num_running_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
                 break
-            request.num_computed_tokens = num_hit_tokens
+            admitted = self._admit(group, budget)
+            if admitted is None:
+                break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            # Keep `running` in arrival order, so a resumed request is not the next victim.
-            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
-            scheduled.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            for seq in group.seqs:
+                seq.status = RequestStatus.RUNNING
+            self._num_running_seqs += len(group.seqs)
+            # Keep `running` in arrival order, so a resumed group is not the next victim.
+            bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+            for seq, num_new in admitted:
+                scheduled.append(seq)
+                num_scheduled[seq.seq_id] = num_new
+                budget -= num_new
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
-            block_ids={r.request_id: kv.get_block_ids(r.request_id) for r in scheduled},
+            block_ids={r.seq_id: kv.get_block_ids(r.seq_id) for r in scheduled},
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_request_ids=[r.request_id for r in preempted],
+            preempted_request_ids=[g.request_id for g in preempted],
             finished_request_ids=finished,
+            blocks_to_copy=kv.take_blocks_to_copy(),
         )
 
-    def _num_new_tokens(
-        self, request: Request, budget: int, num_computed: int | None = None
-    ) -> int:
+    def _plan_tokens(
+        self, seqs: list[Request], budget: int, num_computed: list[int] | None = None
+    ) -> list[tuple[Request, int]]:
+        """Tokens to schedule for each sequence of a group within `budget`.
+
+        A sequence needs `num_tokens - num_computed` tokens. If the group cannot have them all,
+        each gets what the budget allows but stops one token short of its end, so that no
+        sequence of the group reaches its end (and samples) without the others. A single
+        sequence is chunked only with chunked prefill enabled.
+        """
         if num_computed is None:
-            num_computed = request.num_computed_tokens
-        num_new = request.num_tokens - num_computed
-        if num_new > budget and not self.config.enable_chunked_prefill:
-            return 0
-        return min(num_new, budget)
+            num_computed = [s.num_computed_tokens for s in seqs]
+        remaining = [s.num_tokens - c for s, c in zip(seqs, num_computed, strict=True)]
+        if sum(remaining) <= budget:
+            return [(s, n) for s, n in zip(seqs, remaining, strict=True) if n > 0]
+        if len(seqs) == 1 and not self.config.enable_chunked_prefill:
+            return []
+        plan = []
+        for seq, need in zip(seqs, remaining, strict=True):
+            num_new = min(need, budget) if len(seqs) == 1 else min(need - 1, budget)
+            if num_new > 0:
+                plan.append((seq, num_new))
+                budget -= num_new
+        return plan
+
+    def _admit(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
+        """Allocate a waiting group's sequences (a new request, or a preempted group to
+        recompute), all or none; returns the tokens to schedule, or None if it does not fit.
+
+        Prefix caching: leading blocks already cached (by anyone, or by this group before it was
+        preempted) are taken as computed; the budget only pays for the rest.
+        """
+        kv = self.kv_cache_manager
+        hits = [kv.get_computed_blocks(seq) for seq in group.seqs]
+        num_hit = [n for _, n in hits]
+        plan = {seq.seq_id: n for seq, n in self._plan_tokens(group.seqs, budget, num_hit)}
+        if not plan:
+            return None
+        entries = [
+            (seq, plan.get(seq.seq_id, 0), blocks)
+            for seq, (blocks, _) in zip(group.seqs, hits, strict=True)
+        ]
+        if not kv.allocate_group(entries):
+            return None
+        for seq, (_, num_hit) in zip(group.seqs, hits, strict=True):
+            seq.num_computed_tokens = num_hit
+        return [(seq, plan[seq.seq_id]) for seq in group.seqs if seq.seq_id in plan]
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, preempted: list[Request]
+        self, group: SequenceGroup, plan: list[tuple[Request, int]], preempted: list
     ) -> bool:
-        """Allocate, preempting the latest-arrived running requests until it fits."""
-        while not self.kv_cache_manager.allocate_slots(request, num_new):
+        """Allocate for every planned sequence of a running group, preempting the latest-arrived
+        running groups until it fits; False if the group itself had to go."""
+        kv = self.kv_cache_manager
+        while kv.num_blocks_needed(plan) > kv.num_free_blocks:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
-            if victim is request:
+            if victim is group:
                 return False
+        for seq, num_new in plan:
+            allocated = kv.allocate_slots(seq, num_new)
+            assert allocated, "num_blocks_needed promised room"
         return True
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute mode: drop the KV cache; the request re-prefills prompt + output later."""
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+    def _preempt(self, group: SequenceGroup) -> None:
+        """Recompute mode: drop the KV cache of every sequence of the group; they re-prefill
+        prompt + output later, and the group resumes as a whole."""
+        for seq in group.seqs:
+            self.kv_cache_manager.free(seq)
+            seq.status = RequestStatus.PREEMPTED
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
+        self._num_running_seqs -= len(group.seqs)
+        group.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(group)
 
+    # -- after the step -------------------------------------------------------------------------
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
-        """Advance num_computed_tokens, append sampled tokens, finish requests that stop."""
-        finished = []
-        for request in scheduler_output.scheduled_requests:
-            if request.is_finished():  # aborted while the step ran
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
+    ) -> list[SequenceGroup]:
+        """Advance num_computed_tokens, append sampled tokens (forking a sampling group on its
+        first token, stepping beam search), finish sequences that stop. Returns the groups that
+        got tokens, in step order."""
+        groups: dict[str, SequenceGroup] = {}
+        for seq in scheduler_output.scheduled_requests:
+            if seq.is_finished():  # aborted while the step ran
                 continue
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.seq_id]
+            if seq.seq_id in output.sampled_token_ids or seq.seq_id in output.beam_candidates:
+                groups.setdefault(seq.group.request_id, seq.group)
+        for group in groups.values():
+            if group.is_beam_search:
+                self._step_beam_search(group, output)
+            else:
+                self._append_samples(group, output)
+        return list(groups.values())
+
+    def _append_samples(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:
+        kv = self.kv_cache_manager
+        sampled = []
+        for seq in list(group.seqs):
+            token_ids = output.sampled_token_ids.get(seq.seq_id)
+            if token_ids is None:
                 continue
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            records = output.logprobs.get(seq.seq_id)
+            # A group's first token: fork the other samples off the prompt's blocks.
+            targets = [seq]
+            for index in range(1, len(token_ids)):
+                child = seq.fork(group.new_seq_id(kv.req_to_blocks), index)
+                kv.fork(seq, child)
+                targets.append(child)
+            self._num_running_seqs += len(targets) - 1
+            for i, (target, token_id) in enumerate(zip(targets, token_ids, strict=True)):
+                self._append_token(target, token_id, records[i] if records else None)
+            sampled += targets
+        for seq in sampled:
+            status = self._check_stop(seq, seq.output_token_ids[-1])
             if status is not None:
-                self.running.remove(request)
-                request.status = status
-                self._free(request)
-                finished.append(request)
-        return finished
+                self.finish_seq(seq, status)
+
+    @staticmethod
+    def _append_token(seq: Request, token_id: int, record) -> None:
+        seq.append_output_token(token_id)
+        if record is not None:
+            seq.cumulative_logprob += record.logprob
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(record)
+
+    def _step_beam_search(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:
+        """One beam search step: extend the chosen beams (forking a beam chosen more than once,
+        sharing its blocks) and free the pruned ones at once."""
+        kv = self.kv_cache_manager
+        beams = list(group.seqs)
+        candidates = [output.beam_candidates[b.seq_id] for b in beams]
+        chosen = group.beam.step(beams, candidates, beams[0].num_output_tokens)
+        children: dict[int, list] = {}
+        for c in chosen:
+            children.setdefault(c.parent, []).append(c)
+        new_order = {}
+        for b, beam in enumerate(beams):
+            picks = children.get(b)
+            if not picks:
+                continue
+            for c in picks[1:]:  # fork before the parent itself is extended
+                child = beam.fork(group.new_seq_id(kv.req_to_blocks), beam.sample_index)
+                kv.fork(beam, child)
+                self._extend_beam(child, c)
+                new_order[id(c)] = child
+            self._extend_beam(beam, picks[0])
+            new_order[id(picks[0])] = beam
+        pruned = [b for i, b in enumerate(beams) if i not in children]
+        for beam in pruned:
+            kv.free(beam)
+        group.seqs[:] = [new_order[id(c)] for c in chosen]  # best first, like HF's beams
+        self._num_running_seqs += len(group.seqs) - len(beams)
+        if group.beam.done:
+            for beam in group.seqs:
+                kv.free(beam)
+                beam.status = RequestStatus.FINISHED_STOPPED
+            self._num_running_seqs -= len(group.seqs)
+            group.seqs.clear()
+            self.running.remove(group)
+            self._remove(group)
+
+    @staticmethod
+    def _extend_beam(beam: Request, c) -> None:
+        beam.append_output_token(c.token_id)
+        beam.cumulative_logprob = c.cumulative_logprob
+        if c.record is not None:
+            beam.output_logprobs.append(c.record)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -223,12 +401,18 @@ class Scheduler:
         return None
 
     def check_integrity(self) -> None:
-        self.kv_cache_manager.check_integrity()
-        held = set(self.kv_cache_manager.req_to_blocks)
-        running = {r.request_id for r in self.running}
-        assert held <= running | {r.request_id for r in self.waiting}, (
-            "finished request holds blocks"
+        """The pool agrees with the block tables, and only live sequences hold blocks: running
+        ones, or (prefix hits aside) none while waiting or preempted."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        live = {s.seq_id for g in self.running for s in g.seqs}
+        assert set(kv.req_to_blocks) <= live, (
+            "a finished, waiting or preempted sequence holds blocks"
         )
-        for request in self.waiting:
-            if request.status == RequestStatus.PREEMPTED:
-                assert request.request_id not in held, "preempted request still holds blocks"
+        assert self._num_running_seqs == len(live), "running sequence count is off"
+        for group in self.running:
+            assert group.seqs and all(s.status == RequestStatus.RUNNING for s in group.seqs)
+        for group in self.waiting:
+            assert all(
+                s.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for s in group.seqs
+            )

@@ -35,6 +35,11 @@ class IncrementalDetokenizer:
     def output_text(self) -> str:
         return self._text
 
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens fed so far."""
+        return self._num_tokens
+
     def _prompt_context(self, prompt_token_ids: list[int]) -> list[int]:
         # The shortest tail (of at least a few tokens) that decodes cleanly: one starting or
         # ending inside a multi-byte character would make the stream emit prompt text.

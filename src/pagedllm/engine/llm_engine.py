@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.model_loader import load_model
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import Request, RequestStatus, SequenceGroup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_token
 
@@ -38,12 +38,14 @@ PromptType = str | list[int] | dict
 
 @dataclass
 class _RequestState:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
+    """Output-side state of one request (sequence group), per sequence where it differs."""
+
+    group: SequenceGroup
     delta: bool
     metrics: RequestMetrics
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
+    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    num_sent: dict[str, int] = field(default_factory=dict)  # tokens already output (delta)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -189,8 +191,17 @@ class LLMEngine:
         Requests share prefix-cached blocks only with requests of the same `cache_salt`."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
-        if request_id in self._states:
+        if (
+            request_id in self._states
+            or request_id in self.scheduler.kv_cache_manager.req_to_blocks
+        ):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.num_sequences > self.args.max_num_seqs:
+            raise ValueError(
+                f"the request runs {params.num_sequences} sequences (n, best_of or beam width), "
+                f"more than max_num_seqs ({self.args.max_num_seqs}): lower it or raise "
+                "--max-num-seqs"
+            )
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         vocab = self.model_config.vocab_size
@@ -208,16 +219,8 @@ class LLMEngine:
             arrival_time,
             cache_salt=cache_salt,
         )
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer.backend, token_ids, params)
         self._states[request_id] = _RequestState(
-            request,
-            detokenizer,
-            delta,
-            RequestMetrics(arrival_time=request.arrival_time),
-            [] if params.logprobs is not None else None,
-            0.0 if params.logprobs is not None else None,
+            request.group, delta, RequestMetrics(arrival_time=request.arrival_time)
         )
         self.scheduler.add_request(request)
         return request_id
@@ -254,85 +257,161 @@ class LLMEngine:
 
     # -- the step loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return an output for every request that advanced."""
+        """Schedule, run the model once, and return an output for every request that advanced
+        (requests with best_of > n or beam search only once they finish)."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         now = time.time()
-        for request in scheduler_output.scheduled_requests:
-            metrics = self._states[request.request_id].metrics
+        for seq in scheduler_output.scheduled_requests:
+            metrics = self._states[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         runner_output = self.runner.execute_model(scheduler_output)
-        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        groups = self.scheduler.update_from_output(scheduler_output, runner_output)
 
         now = time.time()
         outputs = []
-        stopped_by_string = []
-        for request_id, token_id in runner_output.sampled_token_ids.items():
-            state = self._states[request_id]
-            request = state.request
-            metrics = state.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            if request_id in runner_output.logprobs:
-                self._append_logprobs(state, runner_output.logprobs[request_id])
-            if state.detokenizer is not None:
-                # An EOS or stop token that ended the request is not part of the text.
-                by_token = request.status == RequestStatus.FINISHED_STOPPED
-                stop = state.detokenizer.update([token_id], stop_terminated=by_token)
-                if stop is not None and not request.is_finished():
-                    request.stop_reason = stop
-                    stopped_by_string.append(request_id)
-        self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
-        for request_id in runner_output.sampled_token_ids:
-            outputs.append(self._make_output(self._states[request_id], now))
+        for group in groups:
+            state = self._states[group.request_id]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            if not group.is_beam_search:
+                self._process_samples(state)
+        for group in groups:
+            output = self._make_output(self._states[group.request_id], now)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
-    def _append_logprobs(self, state: _RequestState, lp) -> None:
+    def _process_samples(self, state: _RequestState) -> None:
+        """Detokenize each sequence's new tokens; a matched stop string ends that sequence."""
+        group = state.group
+        for seq in [*group.seqs, *group.finished_seqs]:
+            if seq.sampling_params.logprobs is not None:
+                self._convert_logprobs(state, seq)
+            if self.tokenizer is None:
+                continue
+            detokenizer = state.detokenizers.get(seq.seq_id)
+            if detokenizer is None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
+                )
+                state.detokenizers[seq.seq_id] = detokenizer
+            new_token_ids = seq.output_token_ids[detokenizer.num_tokens :]
+            if not new_token_ids:
+                continue
+            # An EOS or stop token that ended the sequence is not part of the text.
+            by_token = seq.status == RequestStatus.FINISHED_STOPPED
+            stop = detokenizer.update(new_token_ids, stop_terminated=by_token)
+            if stop is not None and not seq.is_finished():
+                seq.stop_reason = stop
+                self.scheduler.finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+
+    def _convert_logprobs(self, state: _RequestState, seq: Request) -> list[dict[int, Logprob]]:
+        converted = state.logprobs.setdefault(seq.seq_id, [])
+        for record in seq.output_logprobs[len(converted) :]:
+            converted.append(self._logprob_dict(record))
+        return converted
+
+    def _logprob_dict(self, record) -> dict[int, Logprob]:
         decode = self._decode_token
-        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
-        for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+        entry = {record.token_id: Logprob(record.logprob, record.rank, decode(record.token_id))}
+        for rank, (token_id, logprob) in enumerate(record.top, start=1):
             entry.setdefault(token_id, Logprob(logprob, rank, decode(token_id)))
-        state.logprobs.append(entry)
-        state.cumulative_logprob += lp.logprob
+        return entry
 
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
-        request = state.request
-        finished = request.is_finished()
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput | None:
+        group = state.group
+        params = group.sampling_params
+        finished = group.is_finished()
         if finished:
             state.metrics.finished_time = now
-            del self._states[request.request_id]
-        text = ""
-        if state.detokenizer is not None:
-            text = state.detokenizer.get_next_output_text(finished, state.delta)
-        token_ids = request.output_token_ids
-        logprobs = state.logprobs
-        if state.delta:
-            token_ids = token_ids[-1:]
-            logprobs = logprobs[-1:] if logprobs is not None else None
+            del self._states[group.request_id]
+        if group.is_beam_search:
+            if not finished:
+                return None
+            completions = self._beam_outputs(group)
+        elif params.num_sequences > params.n:
+            if not finished:
+                return None  # the best n are known only at the end
+            ranked = sorted(group.finished_seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
+            completions = [self._completion(state, s, i, True) for i, s in enumerate(ranked)]
         else:
-            token_ids = list(token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+            seqs = sorted([*group.seqs, *group.finished_seqs], key=lambda s: s.sample_index)
+            if state.delta:  # only the sequences that advanced since the last output
+                seqs = [s for s in seqs if s.num_output_tokens > state.num_sent.get(s.seq_id, 0)]
+            completions = [self._completion(state, s, s.sample_index, finished) for s in seqs]
+        first = group.first
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
+            request_id=group.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
             finished=finished,
             metrics=state.metrics,
         )
+
+    def _completion(
+        self, state: _RequestState, seq: Request, index: int, finished: bool
+    ) -> CompletionOutput:
+        params = seq.sampling_params
+        detokenizer = state.detokenizers.get(seq.seq_id)
+        text = ""
+        if detokenizer is not None:
+            text = detokenizer.get_next_output_text(finished or seq.is_finished(), state.delta)
+        token_ids = seq.output_token_ids
+        logprobs = state.logprobs.get(seq.seq_id) if params.logprobs is not None else None
+        if state.delta:
+            sent = state.num_sent.get(seq.seq_id, 0)
+            token_ids = token_ids[sent:]
+            logprobs = logprobs[sent:] if logprobs is not None else None
+        else:
+            token_ids = list(token_ids)
+        state.num_sent[seq.seq_id] = seq.num_output_tokens
+        ranked = params.logprobs is not None or params.num_sequences > params.n
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=seq.cumulative_logprob if ranked else None,
+            logprobs=logprobs,
+            finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
+        """The n best finished hypotheses, best first."""
+        params = group.sampling_params
+        completions = []
+        for i, hyp in enumerate(group.beam.finished[: params.n]):
+            token_ids = hyp.output_token_ids
+            text_ids = token_ids
+            if hyp.finish_reason == "stop" and not params.include_stop_str_in_output:
+                text_ids = token_ids[:-1]
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(
+                    text_ids, skip_special_tokens=params.skip_special_tokens
+                )
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [self._logprob_dict(r) for r in hyp.logprobs]
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(token_ids),
+                    cumulative_logprob=hyp.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=hyp.finish_reason,
+                    stop_reason=hyp.stop_reason,
+                )
+            )
+        return completions

@@ -103,7 +103,7 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     num_in += len(output.prompt_token_ids)
-                    num_out += len(output.outputs[0].token_ids)
+                    num_out += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = time.perf_counter() - start
                     speed = f"input: {num_in / elapsed:.1f}, output: {num_out / elapsed:.1f} toks/s"
                     bar.set_postfix_str(speed)

@@ -21,7 +21,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [rows] int64; vocab_size where disabled
     top_p: torch.Tensor | None  # [rows] float32; 1.0 where disabled
     min_p: torch.Tensor | None  # [rows] float32; 0.0 where disabled
-    # Seeded random rows: row -> the request's own generator.
+    # Seeded random rows: row -> the generator of that sample (seeded with seed + sample index).
     generators: dict[int, torch.Generator]
     # Penalties: [rows] float32 each, plus flat (row, token id) pairs of the tokens seen.
     presence_penalties: torch.Tensor | None
@@ -34,6 +34,8 @@ class SamplingMetadata:
     # (rows, token ids, bias) added to the logits.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # None: no row wants logprobs
+    # Per row: top logprobs to report (0: only the sampled token's), or None for none.
+    num_logprobs: list[int | None]
 
     @property
     def no_penalties(self) -> bool:
@@ -41,8 +43,16 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(
-        cls, requests: list[Request], vocab_size: int, device: torch.device | str
+        cls,
+        requests: list[Request],
+        vocab_size: int,
+        device: torch.device | str,
+        sample_indices: list[int] | None = None,
     ) -> SamplingMetadata:
+        """One row per (request, sample index): a sequence group's first token repeats its
+        sequence once per sample, each drawing from its own seeded generator."""
+        if sample_indices is None:
+            sample_indices = [r.sample_index for r in requests]
         params = [r.sampling_params for r in requests]
         greedy = [p.is_greedy for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
@@ -71,12 +81,15 @@ class SamplingMetadata:
             for i, p in enumerate(rand):
                 if p is None or p.seed is None:
                     continue
-                r = requests[i]
-                if r.generator is None:
-                    # Created once and kept on the request so the stream continues across steps.
-                    r.generator = torch.Generator(device=device)
-                    r.generator.manual_seed(p.seed)
-                generators[i] = r.generator
+                # Created once per sample and kept on the group so the stream continues across
+                # steps; sample i is seeded with seed + i, like n independent requests.
+                group_generators = requests[i].group.generators
+                index = sample_indices[i]
+                if index not in group_generators:
+                    gen = torch.Generator(device=device)
+                    gen.manual_seed(p.seed + index)
+                    group_generators[index] = gen
+                generators[i] = group_generators[index]
 
         def pairs(rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             # Flat (row, token) pairs, built in numpy: much faster than torch.tensor on long
@@ -127,7 +140,12 @@ class SamplingMetadata:
                 bias_ids += [t for t, _ in items]
                 bias_values += [b for _, b in items]
 
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        # best_of > n ranks samples by cumulative logprob, so it needs the sampled token's.
+        num_logprobs = [
+            p.logprobs if p.logprobs is not None else (0 if p.num_sequences > p.n else None)
+            for p in params
+        ]
+        logprobs = [k for k in num_logprobs if k is not None]
         return cls(
             temperature=temperature,
             all_greedy=all_greedy,
@@ -147,4 +165,5 @@ class SamplingMetadata:
             if bias_rows
             else None,
             max_num_logprobs=max(logprobs) if logprobs else None,
+            num_logprobs=num_logprobs,
         )

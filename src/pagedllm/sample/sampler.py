@@ -73,6 +73,16 @@ class Sampler(torch.nn.Module):
         return probs.div_(noise).argmax(dim=-1)
 
 
+def beam_candidates(
+    logits: torch.Tensor, metadata: SamplingMetadata, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Beam search: each row's k most likely next tokens and their logprobs (after logit_bias,
+    min_tokens and penalties), best first: (token ids [rows, k], logprobs [rows, k])."""
+    logits = apply_logits_processors(logits.to(torch.float32, copy=True), metadata)
+    logprobs, token_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    return token_ids, logprobs
+
+
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """logit_bias, then the min_tokens mask, then penalties (in place where possible)."""
     if md.logit_bias is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,26 +10,12 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
+from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.sampler import Sampler, beam_candidates
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's logprob and rank, then the top-N (token id, logprob) pairs."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
 
 
 def kv_cache_bytes_per_token(config: ModelArchConfig, dtype: torch.dtype) -> int:
@@ -58,6 +43,8 @@ class ModelRunner:
         self.dtype = dtype
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_pool: torch.Tensor | None = None
+        self.num_copied_blocks = 0  # copy-on-write block copies done, for tests and stats
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One preallocated pool: per layer a K and a V tensor [num_blocks, block_size, kvh, d]."""
@@ -71,7 +58,17 @@ class ModelRunner:
             c.head_dim,
         )
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_pool = pool
         self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(c.num_hidden_layers)]
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every (source, destination) block of the step, in all layers, K and V,
+        in one gather + scatter over the pool."""
+        src, dst = zip(*blocks_to_copy, strict=True)
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        self.kv_pool[:, :, dst_t] = self.kv_pool[:, :, src_t]
+        self.num_copied_blocks += len(blocks_to_copy)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
@@ -79,7 +76,7 @@ class ModelRunner:
         rows: the step with the largest activation footprint, for memory profiling."""
         bs, dev = self.block_size, self.device
         num_blocks = -(-num_tokens // bs)
-        saved, self.kv_caches = self.kv_caches, []
+        saved = self.kv_caches, self.kv_pool
         self.allocate_kv_cache(num_blocks)
         meta = AttentionMetadata.build(
             bs, np.arange(num_tokens), [list(range(num_blocks))], [num_tokens], [num_tokens], dev
@@ -88,11 +85,11 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=dev)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.model.compute_logits(hidden[: min(num_logits, num_tokens)])
-        self.kv_caches = saved
+        self.kv_caches, self.kv_pool = saved
 
     def _prepare_inputs(self, so: SchedulerOutput):
         reqs = so.scheduled_requests
-        num_scheduled = np.array([so.num_scheduled_tokens[r.request_id] for r in reqs], np.int64)
+        num_scheduled = np.array([so.num_scheduled_tokens[r.seq_id] for r in reqs], np.int64)
         num_computed = np.array([r.num_computed_tokens for r in reqs], np.int64)
         query_start_loc = np.zeros(len(reqs) + 1, np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -109,10 +106,10 @@ class ModelRunner:
                 num_computed[i] : seq_lens[i]
             ]
 
-        max_blocks = max(len(so.block_ids[r.request_id]) for r in reqs)
+        max_blocks = max(len(so.block_ids[r.seq_id]) for r in reqs)
         block_table = np.zeros((len(reqs), max_blocks), np.int32)
         for i, r in enumerate(reqs):
-            ids = so.block_ids[r.request_id]
+            ids = so.block_ids[r.seq_id]
             block_table[i, : len(ids)] = ids
         bs = self.block_size
         slot_mapping = (
@@ -131,27 +128,73 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, sample_reqs, logits_indices = self._prepare_inputs(so)
+        if so.blocks_to_copy:
+            self.copy_blocks(so.blocks_to_copy)  # before any layer writes this step's K/V
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_reqs:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
-        sampling_metadata = SamplingMetadata.from_requests(
-            sample_reqs, self.config.vocab_size, self.device
+        output = ModelRunnerOutput({})
+        beam_rows = [i for i, r in enumerate(sample_reqs) if r.group.is_beam_search]
+        if beam_rows:
+            self._beam_candidates(logits, [sample_reqs[i] for i in beam_rows], beam_rows, output)
+            if len(beam_rows) == len(sample_reqs):
+                return output
+        # One row per sample: a group's first token repeats its sequence's logits per sample.
+        rows, row_reqs, sample_indices = [], [], []
+        for i, r in enumerate(sample_reqs):
+            if r.group.is_beam_search:
+                continue
+            n = r.num_samples
+            rows += [i] * n
+            row_reqs += [r] * n
+            sample_indices += range(n) if n > 1 else [r.sample_index]
+        if len(rows) != len(sample_reqs):
+            logits = logits[torch.tensor(rows, device=self.device)]
+        self._sample(logits, row_reqs, sample_indices, output)
+        return output
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        row_reqs: list[Request],
+        sample_indices: list[int],
+        output: ModelRunnerOutput,
+    ) -> None:
+        md = SamplingMetadata.from_requests(
+            row_reqs, self.config.vocab_size, self.device, sample_indices
         )
-        out = self.sampler(logits, sampling_metadata)
+        out = self.sampler(logits, md)
         token_ids = out.sampled_token_ids.tolist()
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, token_ids, strict=True)}
-        logprobs: dict[str, TokenLogprobs] = {}
-        if out.logprobs is not None:
-            ids, lps, ranks = (
-                out.logprob_token_ids.tolist(),
-                out.logprobs.tolist(),
-                out.sampled_token_ranks.tolist(),
-            )
-            for row, r in enumerate(sample_reqs):
-                k = r.sampling_params.logprobs
-                if k is None:
-                    continue
-                top = list(zip(ids[row][1 : k + 1], lps[row][1 : k + 1], strict=True))
-                logprobs[r.request_id] = TokenLogprobs(ids[row][0], lps[row][0], ranks[row], top)
-        return ModelRunnerOutput(sampled, logprobs)
+        for r, t in zip(row_reqs, token_ids, strict=True):
+            output.sampled_token_ids.setdefault(r.seq_id, []).append(t)
+        if out.logprobs is None:
+            return
+        ids, lps, ranks = (
+            out.logprob_token_ids.tolist(),
+            out.logprobs.tolist(),
+            out.sampled_token_ranks.tolist(),
+        )
+        for row, r in enumerate(row_reqs):
+            k = md.num_logprobs[row]
+            if k is None:
+                continue
+            top = list(zip(ids[row][1 : k + 1], lps[row][1 : k + 1], strict=True))
+            record = TokenLogprobs(ids[row][0], lps[row][0], ranks[row], top)
+            output.logprobs.setdefault(r.seq_id, []).append(record)
+
+    def _beam_candidates(
+        self,
+        logits: torch.Tensor,
+        beams: list[Request],
+        rows: list[int],
+        output: ModelRunnerOutput,
+    ) -> None:
+        md = SamplingMetadata.from_requests(beams, self.config.vocab_size, self.device)
+        k = max(r.group.beam.num_candidates for r in beams)
+        k = min(k, logits.shape[1])
+        token_ids, logprobs = beam_candidates(logits[torch.tensor(rows, device=self.device)], md, k)
+        token_ids, logprobs = token_ids.tolist(), logprobs.tolist()
+        for i, r in enumerate(beams):
+            n = r.group.beam.num_candidates
+            output.beam_candidates[r.seq_id] = (token_ids[i][:n], logprobs[i][:n])
