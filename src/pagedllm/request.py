@@ -162,7 +162,6 @@ class SequenceGroup:
         self.num_preemptions = 0
         self._fork_ids = itertools.count(1)
 
-
     @property
     def arrival_time(self) -> float:
         return self.first.arrival_time
