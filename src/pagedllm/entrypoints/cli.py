@@ -156,12 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import throughput
+    from pagedllm.benchmarks import prefix_caching, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on a sharegpt-like workload")
     add_engine_args(tp)
     throughput.add_cli_args(tp)
     tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
+
+    pc = bench_sub.add_parser(
+        "prefix-caching", help="a shared-prefix workload with prefix caching off and on"
+    )
+    add_engine_args(pc)
+    prefix_caching.add_cli_args(pc)
+    pc.set_defaults(func=lambda ns: prefix_caching.main(ns, engine_args_from(ns)))
     return parser
 
 
