@@ -1,8 +1,14 @@
 """pagedllm: an LLM inference and serving engine built on PagedAttention."""
 
 from pagedllm.logger import init_logger
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+)
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 init_logger()
 
@@ -11,6 +17,9 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -70,3 +70,22 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam of `LLM.beam_search` (vLLM's fields)."""
+
+    tokens: list[int]  # prompt + output token ids (a final EOS included)
+    logprobs: SampleLogprobs  # per output token: the beam's top candidates, the chosen included
+    cum_logprob: float = 0.0
+    text: str | None = None  # the output text (without the prompt or a final EOS)
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """`LLM.beam_search`'s result for one prompt: the best beams, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -9,6 +9,10 @@ from one numpy seed, so a workload is reproducible across runs and machines.
 
 `scale` shrinks every length (means and clip bounds alike) so the same shape fits a slow machine:
 0.25 gives requests a quarter as long.
+
+An Alpaca-shaped workload (`alpaca_like_workload`) is built the same way: the Alpaca instruction
+set, as the PagedAttention paper uses it (Fig. 11), averages about 19 prompt tokens and 58 output
+tokens. Its lengths are short already, so its default scale is 1.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ SHAREGPT_SIGMA_OUTPUT = 0.8
 MIN_LEN = 4
 MAX_INPUT_LEN = 1024  # vLLM's ShareGPT filter drops prompts of 1024 tokens or more
 MAX_OUTPUT_LEN = 1024
+
+# The Alpaca dataset as the PagedAttention paper reports it (Fig. 11: mean input 19.31, mean
+# output 58.45 tokens); instructions vary little in length, answers more.
+ALPACA_MEAN_INPUT_LEN = 19.0
+ALPACA_MEAN_OUTPUT_LEN = 58.0
+ALPACA_SIGMA_INPUT = 0.5
+ALPACA_SIGMA_OUTPUT = 0.8
+ALPACA_MAX_INPUT_LEN = 256
+ALPACA_MAX_OUTPUT_LEN = 512
+
+WORKLOAD_SHAPES = ("sharegpt", "alpaca")
+DEFAULT_SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
 
 # One request: (prompt token ids, number of tokens to generate).
 WorkloadRequest = tuple[list[int], int]
@@ -85,21 +101,46 @@ def clipped_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> flo
     return lo * below + hi * above + inside
 
 
+def _scaled_distributions(
+    scale: float,
+    means: tuple[float, float],
+    sigmas: tuple[float, float],
+    max_lens: tuple[int, int],
+) -> tuple[LengthDistribution, LengthDistribution]:
+    if scale <= 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    dists = []
+    for mean, sigma, max_len in zip(means, sigmas, max_lens, strict=True):
+        hi = max(MIN_LEN, round(max_len * scale))
+        dists.append(LengthDistribution(min(max(mean * scale, MIN_LEN), hi), sigma, MIN_LEN, hi))
+    return dists[0], dists[1]
+
+
 def sharegpt_length_distributions(
     scale: float = 1.0,
     max_input_len: int = MAX_INPUT_LEN,
     max_output_len: int = MAX_OUTPUT_LEN,
 ) -> tuple[LengthDistribution, LengthDistribution]:
     """(input, output) length distributions; `scale` shrinks means and upper bounds alike."""
-    if scale <= 0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    hi_in = max(MIN_LEN, round(max_input_len * scale))
-    hi_out = max(MIN_LEN, round(max_output_len * scale))
-    mean_in = min(max(SHAREGPT_MEAN_INPUT_LEN * scale, MIN_LEN), hi_in)
-    mean_out = min(max(SHAREGPT_MEAN_OUTPUT_LEN * scale, MIN_LEN), hi_out)
-    return (
-        LengthDistribution(mean_in, SHAREGPT_SIGMA_INPUT, MIN_LEN, hi_in),
-        LengthDistribution(mean_out, SHAREGPT_SIGMA_OUTPUT, MIN_LEN, hi_out),
+    return _scaled_distributions(
+        scale,
+        (SHAREGPT_MEAN_INPUT_LEN, SHAREGPT_MEAN_OUTPUT_LEN),
+        (SHAREGPT_SIGMA_INPUT, SHAREGPT_SIGMA_OUTPUT),
+        (max_input_len, max_output_len),
+    )
+
+
+def alpaca_length_distributions(
+    scale: float = 1.0,
+    max_input_len: int = ALPACA_MAX_INPUT_LEN,
+    max_output_len: int = ALPACA_MAX_OUTPUT_LEN,
+) -> tuple[LengthDistribution, LengthDistribution]:
+    """Alpaca's (input, output) length distributions; `scale` as for ShareGPT's."""
+    return _scaled_distributions(
+        scale,
+        (ALPACA_MEAN_INPUT_LEN, ALPACA_MEAN_OUTPUT_LEN),
+        (ALPACA_SIGMA_INPUT, ALPACA_SIGMA_OUTPUT),
+        (max_input_len, max_output_len),
     )
 
 
@@ -130,9 +171,43 @@ def sharegpt_like_workload(
     does not change the lengths. With `max_model_len`, output lengths are cut so that every
     request fits (prompt + output <= max_model_len).
     """
+    dists = sharegpt_length_distributions(scale, max_input_len, max_output_len)
+    return synthetic_workload(
+        num_prompts, vocab_size, dists, exclude_ids=exclude_ids, seed=seed,
+        max_model_len=max_model_len,
+    )  # fmt: skip
+
+
+def alpaca_like_workload(
+    num_prompts: int,
+    vocab_size: int,
+    *,
+    exclude_ids: Iterable[int] = (),
+    scale: float = 1.0,
+    seed: int = 0,
+    max_model_len: int | None = None,
+) -> list[WorkloadRequest]:
+    """As `sharegpt_like_workload`, with Alpaca's lengths (about 19 prompt / 58 output tokens)."""
+    return synthetic_workload(
+        num_prompts, vocab_size, alpaca_length_distributions(scale), exclude_ids=exclude_ids,
+        seed=seed, max_model_len=max_model_len,
+    )  # fmt: skip
+
+
+def synthetic_workload(
+    num_prompts: int,
+    vocab_size: int,
+    distributions: tuple[LengthDistribution, LengthDistribution],
+    *,
+    exclude_ids: Iterable[int] = (),
+    seed: int = 0,
+    max_model_len: int | None = None,
+) -> list[WorkloadRequest]:
+    """`num_prompts` requests with lengths from the (input, output) `distributions`, prompt
+    tokens drawn uniformly from the ordinary vocabulary; see `sharegpt_like_workload`."""
     if num_prompts < 0:
         raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
-    input_dist, output_dist = sharegpt_length_distributions(scale, max_input_len, max_output_len)
+    input_dist, output_dist = distributions
     length_seed, token_seed = np.random.SeedSequence(seed).spawn(2)
     length_rng = np.random.default_rng(length_seed)
     token_rng = np.random.default_rng(token_seed)
@@ -156,19 +231,24 @@ def workload_from_tokenizer(
     tokenizer,
     *,
     vocab_size: int | None = None,
-    scale: float = 0.25,
+    scale: float | None = None,
     seed: int = 0,
     max_model_len: int | None = None,
+    shape: str = "sharegpt",
 ) -> list[WorkloadRequest]:
-    """The workload over a pagedllm `Tokenizer` (or any object with `vocab_size` and
-    `all_special_ids`); `vocab_size` caps the ids to the model's embedding table."""
+    """The workload of `shape` ("sharegpt" or "alpaca") over a pagedllm `Tokenizer` (or any
+    object with `vocab_size` and `all_special_ids`); `vocab_size` caps the ids to the model's
+    embedding table. `scale` None: the shape's default (0.25 for ShareGPT, 1 for Alpaca)."""
+    if shape not in WORKLOAD_SHAPES:
+        raise ValueError(f"unknown workload shape {shape!r}; known: {', '.join(WORKLOAD_SHAPES)}")
     size = tokenizer.vocab_size if vocab_size is None else min(vocab_size, tokenizer.vocab_size)
     special = getattr(tokenizer, "all_special_ids", ()) or ()
-    return sharegpt_like_workload(
+    make = sharegpt_like_workload if shape == "sharegpt" else alpaca_like_workload
+    return make(
         num_prompts,
         size,
         exclude_ids=special,
-        scale=scale,
+        scale=DEFAULT_SCALES[shape] if scale is None else scale,
         seed=seed,
         max_model_len=max_model_len,
     )

@@ -183,9 +183,11 @@ class Scheduler:
 
         # Then waiting groups, strictly FCFS (preempted ones sit at the head). Nothing new is
         # admitted in a step that had to preempt.
+        # max_num_seqs counts sequences, including those a group will fork into.
+        num_seqs = sum(g.max_num_running_seqs for g in self.running)
         while not preempted and self.waiting and budget > 0:
             group = self.waiting[0]
-            if self._num_running_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
+            if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
                 break
             admitted = self._admit(group, budget)
             if admitted is None:
@@ -194,6 +196,7 @@ class Scheduler:
             for seq in group.seqs:
                 seq.status = RequestStatus.RUNNING
             self._num_running_seqs += len(group.seqs)
+            num_seqs += group.max_num_running_seqs
             # Keep `running` in arrival order, so a resumed group is not the next victim.
             bisect.insort(self.running, group, key=lambda g: g.arrival_time)
             for seq, num_new in admitted:

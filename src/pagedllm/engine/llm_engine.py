@@ -209,6 +209,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self._validate_group(params.num_sequences, len(token_ids) + max_tokens)
         request = Request(
             request_id,
             token_ids,
@@ -238,6 +239,25 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+
+    def _validate_group(self, num_seqs: int, max_len: int) -> None:
+        """Refuse a group the scheduler could never finish (it would loop forever): its
+        sequences decode in lockstep, so all must fit one step's token budget; and a preempted
+        group is recomputed with nothing shared, so it must fit the pool as num_seqs separate
+        sequences (a single sequence always does: checked at start-up)."""
+        if num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"the request runs {num_seqs} sequences (n, best_of or beam width), which decode "
+                f"together, but max_num_batched_tokens is {self.max_num_batched_tokens}: raise "
+                "--max-num-batched-tokens or lower n / best_of"
+            )
+        need = num_seqs * cdiv(max_len, self.block_size)
+        if num_seqs > 1 and need > self.num_blocks:
+            raise ValueError(
+                f"the request runs {num_seqs} sequences of up to {max_len} tokens, which need "
+                f"{need} blocks of the KV cache, but it has {self.num_blocks}: lower n / best_of "
+                "or max_tokens, or raise --kv-cache-memory"
+            )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

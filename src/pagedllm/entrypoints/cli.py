@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import prefix_caching, throughput
+    from pagedllm.benchmarks import prefix_caching, sharing, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on a sharegpt-like workload")
     add_engine_args(tp)
@@ -169,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(pc)
     prefix_caching.add_cli_args(pc)
     pc.set_defaults(func=lambda ns: prefix_caching.main(ns, engine_args_from(ns)))
+
+    sh = bench_sub.add_parser(
+        "sharing",
+        help="KV memory saved by sharing blocks in parallel sampling and beam search "
+        "(prefix caching forced off)",
+    )
+    add_engine_args(sh)
+    sharing.add_cli_args(sh)
+    sh.set_defaults(func=lambda ns: sharing.main(ns, engine_args_from(ns)))
     return parser
 
 

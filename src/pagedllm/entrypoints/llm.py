@@ -9,10 +9,20 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = list[dict]
+_MAX_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a token id list or a dict) or a sequence of them, as a list."""
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
 
 
 class LLM:
@@ -39,11 +49,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -62,6 +68,38 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's API): one `BeamSearchOutput` per prompt, holding
+        the `beam_width` best finished beams, best first (by cumulative logprob / generated
+        length ** length_penalty, as HF transformers ranks them). Each sequence's `tokens` are the
+        prompt's followed by the output's (a final EOS included), `text` the output's alone."""
+        sampling_params = params.to_sampling_params()
+        # Per output token, the beam's top 2 x beam_width candidates (vLLM's choice), which the
+        # runner has at hand anyway.
+        sampling_params.logprobs = min(2 * params.beam_width, _MAX_LOGPROBS)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        results = []
+        for output in outputs:
+            prompt_ids = list(output.prompt_token_ids)
+            sequences = [
+                BeamSearchSequence(
+                    tokens=prompt_ids + list(c.token_ids),
+                    logprobs=c.logprobs or [],
+                    cum_logprob=c.cumulative_logprob or 0.0,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in output.outputs
+            ]
+            results.append(BeamSearchOutput(sequences=sequences))
+        return results
 
     def chat(
         self,
