@@ -179,5 +179,5 @@ def test_others_cpu_share(monkeypatch):
     # 10 s of wall time on 2 cores = 20 CPU s; the machine was busy 16 s, 12 s of it ours.
     assert throughput.others_cpu_share((100.0, 5.0, 0.0), (116.0, 17.0, 10.0)) == pytest.approx(0.2)
     assert throughput.others_cpu_share(None, (1.0, 1.0, 1.0)) is None
-    counters = throughput._cpu_counters()
+    counters = throughput.cpu_counters()
     assert counters is None or len(counters) == 3

@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 
 from pagedllm.benchmarks.throughput import (
-    _cpu_counters,
-    _print_run,
-    _speed_figures,
+    cpu_counters,
     greedy_agreement,
     others_cpu_share,
+    print_run,
+    speed_figures,
 )
 from pagedllm.benchmarks.workload import LengthDistribution, WorkloadRequest, normal_token_ids
 from pagedllm.config import EngineArgs
@@ -263,7 +263,7 @@ def run_engine(engine, workload: SharedPrefixWorkload) -> dict[str, Any]:
     pending = deque(range(len(requests)))
     outputs: dict[str, Any] = {}
     num_steps = 0
-    cpu_before = _cpu_counters()
+    cpu_before = cpu_counters()
     start = time.perf_counter()
     start_wall = time.time()
     while pending or engine.has_unfinished_requests():
@@ -285,7 +285,7 @@ def run_engine(engine, workload: SharedPrefixWorkload) -> dict[str, Any]:
         elif pending:  # idle until the next arrival
             time.sleep(max(0.0, start_wall + offsets[pending[0]] - time.time()))
     elapsed = time.perf_counter() - start
-    others = others_cpu_share(cpu_before, _cpu_counters())
+    others = others_cpu_share(cpu_before, cpu_counters())
 
     done = [outputs[f"bench-{i}"] for i in range(len(requests))]
     token_ids = [list(o.outputs[0].token_ids) for o in done]
@@ -295,7 +295,7 @@ def run_engine(engine, workload: SharedPrefixWorkload) -> dict[str, Any]:
     queries = kv.prefix_cache_queries - queries0
     hits = kv.prefix_cache_hits - hits0
     return {
-        **_speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
+        **speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
         "mean_ttft_s": _mean(ttft),
         "median_ttft_s": _median(ttft),
         "mean_latency_s": _mean(latency),
@@ -401,7 +401,7 @@ def paper_note(prefix_len: int, throughput_ratio: float | None) -> str:
 
 
 def _print_system(name: str, r: dict[str, Any]) -> None:
-    _print_run(name, r)
+    print_run(name, r)
     pc = r["prefix_cache"]
     cache = (
         f"{pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens hit ({pc['hit_rate']:.1%})"

@@ -33,7 +33,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.throughput import _cpu_counters, others_cpu_share
+from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share
 from pagedllm.benchmarks.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
 from pagedllm.config import EngineArgs
 
@@ -215,7 +215,7 @@ def run_sharing(
         return output
 
     ids = []
-    cpu_before = _cpu_counters()
+    cpu_before = cpu_counters()
     start = time.perf_counter()
     scheduler.schedule = schedule_and_observe  # shadows the method on this instance only
     try:
@@ -234,7 +234,7 @@ def run_sharing(
     finally:
         del scheduler.schedule
     elapsed = time.perf_counter() - start
-    others = others_cpu_share(cpu_before, _cpu_counters())
+    others = others_cpu_share(cpu_before, cpu_counters())
     return {
         "mode": mode,
         "n": n,
@@ -301,7 +301,7 @@ def _describe_workload(shape: str, scale: float, seed: int, requests) -> dict[st
     }
 
 
-def _print_run(r: dict[str, Any]) -> None:
+def print_run(r: dict[str, Any]) -> None:
     others = r.get("others_cpu_share")
     busy = f" (other processes: {others:.0%} of the CPU)" if others and others > 0.1 else ""
     print(
@@ -377,7 +377,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         for mode, n in plan:
             run = {"workload": shape, **run_sharing(engine, requests, mode, n, ns.workload_seed)}
             results["runs"].append(run)
-            _print_run(run)
+            print_run(run)
 
     sanity = {r["workload"]: r["saving"] for r in results["runs"] if r["n"] == 1}
     results["sanity_n1_saving"] = sanity

@@ -128,7 +128,7 @@ class KVUsageTracker:
         }
 
 
-def _cpu_counters() -> tuple[float, float, float] | None:
+def cpu_counters() -> tuple[float, float, float] | None:
     """(busy CPU seconds of the whole machine, this process's CPU seconds, wall seconds)."""
     try:
         with open("/proc/stat") as f:
@@ -142,7 +142,7 @@ def _cpu_counters() -> tuple[float, float, float] | None:
 
 
 def others_cpu_share(before, after) -> float | None:
-    """Share of the machine's CPU time other processes used between two `_cpu_counters()`:
+    """Share of the machine's CPU time other processes used between two `cpu_counters()`:
     a CPU benchmark is only worth quoting when this stays near zero."""
     if before is None or after is None or after[2] <= before[2]:
         return None
@@ -150,7 +150,7 @@ def others_cpu_share(before, after) -> float | None:
     return max(0.0, others) / ((after[2] - before[2]) * (os.cpu_count() or 1))
 
 
-def _speed_figures(
+def speed_figures(
     requests: list[WorkloadRequest], token_ids: list[list[int]], generated: int, elapsed: float
 ) -> dict[str, Any]:
     """Throughput counting only useful output tokens (each request's own output_len)."""
@@ -187,7 +187,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     outputs: dict[str, list[int]] = {}
     ids = []
     num_steps = 0
-    cpu_before = _cpu_counters()
+    cpu_before = cpu_counters()
     start = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
         ids.append(engine.add_request(f"bench-{i}", prompt, _greedy_params(output_len)))
@@ -199,11 +199,11 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
             if output.finished:
                 outputs[output.request_id] = list(output.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
-    others = others_cpu_share(cpu_before, _cpu_counters())
+    others = others_cpu_share(cpu_before, cpu_counters())
 
     token_ids = [outputs[i] for i in ids]
     return {
-        **_speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
+        **speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
         "num_steps": num_steps,
         "num_preemptions": getattr(scheduler, "num_preemptions_total", None),
         "others_cpu_share": others,
@@ -294,7 +294,7 @@ def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str,
 
     token_ids: list[list[int]] = []
     generated = 0
-    cpu_before = _cpu_counters()
+    cpu_before = cpu_counters()
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
@@ -304,11 +304,11 @@ def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str,
         for row, (_, n) in enumerate(batch):
             token_ids.append(new_tokens[row, :n].tolist())
     elapsed = time.perf_counter() - start
-    others = others_cpu_share(cpu_before, _cpu_counters())
+    others = others_cpu_share(cpu_before, cpu_counters())
 
     kv = static_batch_kv_usage([(len(p), n) for p, n in requests], batch_size)
     return {
-        **_speed_figures(requests, token_ids, generated, elapsed),
+        **speed_figures(requests, token_ids, generated, elapsed),
         "batch_size": batch_size,
         "num_batches": -(-len(requests) // batch_size),
         "others_cpu_share": others,
@@ -348,7 +348,7 @@ def greedy_agreement(
 
 
 # -- reporting ----------------------------------------------------------------------------------
-def _print_run(name: str, r: dict[str, Any]) -> None:
+def print_run(name: str, r: dict[str, Any]) -> None:
     print(
         f"[{name}] {r['num_requests']} requests in {r['elapsed_s']:.2f} s: "
         f"{r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
@@ -456,7 +456,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     paged = run_pagedllm(llm, requests)
     paged_tokens = paged.pop("token_ids")
     results["pagedllm"] = paged
-    _print_run("pagedllm", paged)
+    print_run("pagedllm", paged)
     kv = paged["kv_cache"]
     print(
         f"[pagedllm] KV cache: at peak {kv['peak_reserved_slots']} slots reserved "
@@ -487,7 +487,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             paged_tokens, hf_tokens, hf["eos_token_ids"]
         )
         results["hf"] = hf
-        _print_run(f"HF batch {ns.hf_batch_size}", hf)
+        print_run(f"HF batch {ns.hf_batch_size}", hf)
         hkv = hf["kv_cache"]
         print(
             f"[HF batch {ns.hf_batch_size}] KV cache (static, padded batches): "

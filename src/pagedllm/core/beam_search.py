@@ -99,13 +99,11 @@ class BeamSearchState:
         ends = [at_max or c.token_id in self.stop_token_ids for c in ranked]
 
         # Finished hypotheses come only from the first beam_width ranks; the rest are backups so
-        # that beam_width beams can always continue.
-        can_add = self._improvement_possible and not (
-            self.early_stopping is True and len(self.finished) == self.beam_width
-        )
+        # that beam_width beams can always continue. (HF also masks additions once the search
+        # may stop; here a step never runs after that: `done` is set first.)
         for i, c in enumerate(ranked[: self.beam_width]):
-            if ends[i] and can_add:
-                self._add(beams[c.parent], c, length, at_max)
+            if ends[i]:
+                self._add(beams[c.parent], c, length)
 
         running = [c for c, end in zip(ranked, ends, strict=True) if not end][: self.beam_width]
         if running:
@@ -116,7 +114,7 @@ class BeamSearchState:
         )
         return [] if self.done else running
 
-    def _add(self, beam: Any, c: BeamCandidate, length: int, at_max: bool) -> None:
+    def _add(self, beam: Any, c: BeamCandidate, length: int) -> None:
         stop = c.token_id in self.stop_token_ids
         hyp = BeamHypothesis(
             output_token_ids=[*beam.output_token_ids, c.token_id],
