@@ -248,6 +248,31 @@ def test_mixed_batch_equals_each_request_alone(tiny, alone):
     assert llm.llm_engine.runner.num_copied_blocks > 0
 
 
+def test_step_with_as_many_fork_rows_as_beam_rows_samples_the_right_logits(tiny):
+    """One step holding two decoding beams (2 rows out of sampling) and a group's first token
+    (n=3: 2 rows in): the row count is unchanged, yet every row must keep its own logits."""
+    path, _ = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    forks = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True)
+    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [PROMPT_MID, PROMPT_16, BEAM_PROMPTS["a"]]
+    want = [summary(o) for o in generate(make_llm(path), prompts, [greedy, forks, beams])]
+    llm = make_llm(path)
+    engine = llm.llm_engine
+    engine.add_request("beam", {"prompt_token_ids": prompts[2]}, beams)
+    engine.step()  # prefill: the first beam step leaves two beams
+    engine.step()
+    assert len(engine.scheduler.requests["beam"].seqs) == 2
+    engine.add_request("greedy", {"prompt_token_ids": prompts[0]}, greedy)
+    engine.add_request("forks", {"prompt_token_ids": prompts[1]}, forks)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    got = [summary(done[r]) for r in ("greedy", "forks", "beam")]
+    assert got == want
+    check_pool(llm)
+
+
 @pytest.fixture(scope="module")
 def large_pool(tiny):
     """The mixed requests' outputs with a pool large enough for all at once, per block size."""

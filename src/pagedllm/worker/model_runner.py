@@ -45,6 +45,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_pool: torch.Tensor | None = None
         self.num_copied_blocks = 0  # copy-on-write block copies done, for tests and stats
+        self.swap_pool: torch.Tensor | None = None  # host memory, the same layout as kv_pool
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One preallocated pool: per layer a K and a V tensor [num_blocks, block_size, kvh, d]."""
@@ -60,6 +63,25 @@ class ModelRunner:
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_pool = pool
         self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(c.num_hidden_layers)]
+
+    def allocate_swap_space(self, num_cpu_blocks: int) -> None:
+        """The swap space: a second pool in host memory (pinned when the cache is on a GPU, so
+        that copies are DMA). On CPU it is separate memory from kv_pool all the same."""
+        shape = (*self.kv_pool.shape[:2], num_cpu_blocks, *self.kv_pool.shape[3:])
+        pin = self.device.type == "cuda"
+        self.swap_pool = torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Out first ((device, cpu) pairs), then in ((cpu, device) pairs): a device block swapped
+        out in this step may be the destination of a swap-in. One batched copy per direction."""
+        if swap_out:
+            dev, cpu = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_out, strict=True))
+            self.swap_pool[:, :, cpu] = self.kv_pool[:, :, dev.to(self.device)].cpu()
+            self.num_swapped_out_blocks += len(swap_out)
+        if swap_in:
+            cpu, dev = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_in, strict=True))
+            self.kv_pool[:, :, dev.to(self.device)] = self.swap_pool[:, :, cpu].to(self.device)
+            self.num_swapped_in_blocks += len(swap_in)
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (source, destination) block of the step, in all layers, K and V,
@@ -127,9 +149,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids, positions, meta, sample_reqs, logits_indices = self._prepare_inputs(so)
+        # Block moves first, before any layer writes this step's K/V.
+        if so.blocks_to_swap_out or so.blocks_to_swap_in:
+            self.swap_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
         if so.blocks_to_copy:
-            self.copy_blocks(so.blocks_to_copy)  # before any layer writes this step's K/V
+            self.copy_blocks(so.blocks_to_copy)
+        if not so.scheduled_requests:
+            return ModelRunnerOutput({})
+        input_ids, positions, meta, sample_reqs, logits_indices = self._prepare_inputs(so)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_reqs:
             return ModelRunnerOutput({})
@@ -149,8 +176,8 @@ class ModelRunner:
             rows += [i] * n
             row_reqs += [r] * n
             sample_indices += range(n) if n > 1 else [r.sample_index]
-        if len(rows) != len(sample_reqs):
-            logits = logits[torch.tensor(rows, device=self.device)]
+        if rows != list(range(len(sample_reqs))):  # not just a length check: beam rows out
+            logits = logits[torch.tensor(rows, device=self.device)]  # and fork rows in can tie
         self._sample(logits, row_reqs, sample_indices, output)
         return output
 
