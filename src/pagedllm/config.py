@@ -68,6 +68,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (swap mode)
     attention_backend: str = "auto"
     disable_log_stats: bool = True
 
@@ -95,3 +97,9 @@ class EngineArgs:
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
         parse_bytes(self.kv_cache_memory)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

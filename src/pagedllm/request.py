@@ -24,7 +24,8 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
+    SWAPPED = enum.auto()  # preempted with its blocks in the swap space
+    PREEMPTED = enum.auto()  # preempted for recompute
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()

@@ -14,6 +14,12 @@ to write into a partly filled block that others also hold, `allocate_slots` give
 and records a (source, destination) pair in `blocks_to_copy`; the runner copies all of a step's
 pairs in one batched operation before the forward pass. Full blocks are never written again, so
 they stay shared for good.
+
+Swapping (preemption mode "swap"): a preempted group's blocks move to a separate pool of CPU
+blocks, one CPU block per distinct device block, so blocks shared inside the group stay shared
+(and are copied once); the device blocks are freed. On resume they move back to fresh device
+blocks. The (device, cpu) / (cpu, device) pairs are copied by the runner in one batched operation
+per direction, swap-outs first (their device blocks may be reused in the same step).
 """
 
 from __future__ import annotations
@@ -66,11 +72,20 @@ class KVCacheManager:
     """Maps each request's logical blocks to physical ones, growing the table on demand."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        # The swap space: CPU blocks, and the block tables of swapped-out sequences.
+        self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self.swapped_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
+        self.blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
         # Block tables, keyed by sequence id (`Request.seq_id`).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Copy-on-write pairs (source block id, destination block id) not yet handed to a step.
@@ -232,11 +247,81 @@ class KVCacheManager:
         self.num_cached_blocks[req_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first, so tail blocks are evicted before head ones."""
+        """Return the request's blocks, tail first, so tail blocks are evicted before head ones
+        (its swap-space blocks too, if it is swapped out)."""
         self.num_cached_blocks.pop(request.seq_id, None)
         blocks = self.req_to_blocks.pop(request.seq_id, None)
         if blocks:
             self.block_pool.free(reversed(blocks))
+        cpu_blocks = self.swapped_blocks.pop(request.seq_id, None)
+        if cpu_blocks:
+            self.cpu_block_pool.free(cpu_blocks)
+
+    # -- swapping -------------------------------------------------------------------------------
+    @staticmethod
+    def _num_distinct(tables: list[list[KVCacheBlock]]) -> int:
+        return len({b.block_id for table in tables for b in table})
+
+    def can_swap_out(self, requests: list[Request]) -> bool:
+        if self.cpu_block_pool is None:
+            return False
+        tables = [self.req_to_blocks.get(r.seq_id, []) for r in requests]
+        return self._num_distinct(tables) <= self.cpu_block_pool.num_free_blocks
+
+    def num_swap_in_blocks(self, requests: list[Request]) -> int:
+        return self._num_distinct([self.swapped_blocks[r.seq_id] for r in requests])
+
+    def swap_out(self, requests: list[Request]) -> None:
+        """Move the sequences' blocks to the swap space (check `can_swap_out` first)."""
+        self.swapped_blocks.update(
+            self._move(requests, self.req_to_blocks, self.block_pool, self.cpu_block_pool,
+                       self.blocks_to_swap_out)
+        )  # fmt: skip
+        for request in requests:
+            self.num_cached_blocks.pop(request.seq_id, None)
+
+    def swap_in(self, requests: list[Request]) -> None:
+        """Move swapped sequences back to device blocks (check `num_swap_in_blocks` first). The
+        new blocks are entered in the prefix cache again as the sequences grow."""
+        self.req_to_blocks.update(
+            self._move(requests, self.swapped_blocks, self.cpu_block_pool, self.block_pool,
+                       self.blocks_to_swap_in)
+        )  # fmt: skip
+
+    @staticmethod
+    def _move(requests, tables, src_pool, dst_pool, pairs) -> dict[str, list[KVCacheBlock]]:
+        """New tables in `dst_pool` for the sequences' tables in `src_pool`: one destination
+        block per distinct source block, referenced as often as the source was."""
+        mapping: dict[int, KVCacheBlock] = {}
+        moved = {}
+        for request in requests:
+            src_table = tables.pop(request.seq_id)
+            dst_table = []
+            for block in src_table:
+                dst = mapping.get(block.block_id)
+                if dst is None:
+                    (dst,) = dst_pool.allocate(1)
+                    mapping[block.block_id] = dst
+                    pairs.append((block.block_id, dst.block_id))
+                else:
+                    dst_pool.touch([dst])
+                dst_table.append(dst)
+            src_pool.free(reversed(src_table))
+            moved[request.seq_id] = dst_table
+        return moved
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        out, self.blocks_to_swap_out = self.blocks_to_swap_out, []
+        in_, self.blocks_to_swap_in = self.blocks_to_swap_in, []
+        return out, in_
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_block_pool.num_free_blocks if self.cpu_block_pool else 0
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_block_pool.num_blocks if self.cpu_block_pool else 0
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -251,3 +336,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.block_pool.check_integrity(self.req_to_blocks.values())
+        if self.cpu_block_pool is not None:
+            self.cpu_block_pool.check_integrity(self.swapped_blocks.values())
+        assert not self.req_to_blocks.keys() & self.swapped_blocks.keys(), (
+            "a sequence holds device and swap blocks at once"
+        )

@@ -11,6 +11,10 @@ re-prefilled) and resumed as a whole later. With prefix caching, a waiting seque
 longest cached prefix of full blocks, so a resumed group re-prefills only what was evicted
 meanwhile, and its sequences share their common prompt blocks again.
 
+Preemption mode "swap" moves the victim's blocks to a CPU swap space instead (falling back to
+recompute when the swap space is full); swapped groups resume, in arrival order, before any
+waiting group, and no new request is admitted while any group is swapped out.
+
 A group's sequences advance in lockstep: the step that samples one of them samples all, since
 beam search compares every beam's candidates and a sampling group forks on its first token.
 """
@@ -34,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
 
 
 @dataclass
@@ -49,6 +54,10 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     # Copy-on-write (source block id, destination block id) pairs, copied before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Swap (device block, cpu block) pairs out and (cpu block, device block) pairs in; the
+    # runner swaps out, then in, then copies, all before the forward.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def needs_sample(self, request: Request) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""
@@ -57,7 +66,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_requests
+        """Nothing to run and no block to move."""
+        return not (self.scheduled_requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:
@@ -66,9 +76,11 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in arrival order
+        self.swapped: list[SequenceGroup] = []  # in arrival order
         self.requests: dict[str, SequenceGroup] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_swap_preemptions_total = 0
         self._num_running_seqs = 0
 
     # -- queue management ---------------------------------------------------------------------
@@ -104,6 +116,8 @@ class Scheduler:
             if group in self.running:
                 self.running.remove(group)
                 self._num_running_seqs -= len(group.seqs)
+            elif group in self.swapped:
+                self.swapped.remove(group)
             else:
                 self.waiting.remove(group)
             for seq in list(group.seqs):
@@ -139,7 +153,7 @@ class Scheduler:
         self._finished_since_last_step.add(group.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -149,6 +163,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose blocks are in the swap space now."""
+        return len(self.swapped)
 
     @property
     def num_running_seqs(self) -> int:
@@ -181,11 +200,26 @@ class Scheduler:
                 budget -= num_new
             i += 1
 
-        # Then waiting groups, strictly FCFS (preempted ones sit at the head). Nothing new is
-        # admitted in a step that had to preempt.
         # max_num_seqs counts sequences, including those a group will fork into.
         num_seqs = sum(g.max_num_running_seqs for g in self.running)
-        while not preempted and self.waiting and budget > 0:
+
+        # Then swapped-out groups, in arrival order; nothing else while any is still out.
+        while not preempted and self.swapped and budget > 0:
+            group = self.swapped[0]
+            if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
+                break
+            plan = self._swap_in(group, budget)
+            if plan is None:
+                break
+            num_seqs += group.max_num_running_seqs
+            for seq, num_new in plan:
+                scheduled.append(seq)
+                num_scheduled[seq.seq_id] = num_new
+                budget -= num_new
+
+        # Then waiting groups, strictly FCFS (groups preempted for recompute sit at the head).
+        # Nothing new is admitted in a step that had to preempt.
+        while not (preempted or self.swapped) and self.waiting and budget > 0:
             group = self.waiting[0]
             if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
                 break
@@ -193,18 +227,15 @@ class Scheduler:
             if admitted is None:
                 break
             self.waiting.popleft()
-            for seq in group.seqs:
-                seq.status = RequestStatus.RUNNING
-            self._num_running_seqs += len(group.seqs)
+            self._start_running(group)
             num_seqs += group.max_num_running_seqs
-            # Keep `running` in arrival order, so a resumed group is not the next victim.
-            bisect.insort(self.running, group, key=lambda g: g.arrival_time)
             for seq, num_new in admitted:
                 scheduled.append(seq)
                 num_scheduled[seq.seq_id] = num_new
                 budget -= num_new
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        swap_out, swap_in = kv.take_swaps()
         return SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -213,6 +244,8 @@ class Scheduler:
             preempted_request_ids=[g.request_id for g in preempted],
             finished_request_ids=finished,
             blocks_to_copy=kv.take_blocks_to_copy(),
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
         )
 
     def _plan_tokens(
@@ -238,6 +271,33 @@ class Scheduler:
             if num_new > 0:
                 plan.append((seq, num_new))
                 budget -= num_new
+        return plan
+
+    def _start_running(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.status = RequestStatus.RUNNING
+        self._num_running_seqs += len(group.seqs)
+        # Keep `running` in arrival order, so a resumed group is not the next victim.
+        bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+
+    def _swap_in(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
+        """Bring a swapped group back and allocate its next tokens, or None if it does not fit
+        (a bound: one more block per sequence, for a new block or a copy-on-write)."""
+        kv = self.kv_cache_manager
+        plan = self._plan_tokens(group.seqs, budget)
+        if not plan:
+            return None
+        need = kv.num_swap_in_blocks(group.seqs) + sum(
+            kv.num_blocks_to_allocate(seq, num_new) + 1 for seq, num_new in plan
+        )
+        if need > kv.num_free_blocks:
+            return None
+        self.swapped.pop(0)
+        kv.swap_in(group.seqs)
+        self._start_running(group)
+        for seq, num_new in plan:
+            allocated = kv.allocate_slots(seq, num_new)
+            assert allocated, "counted above"
         return plan
 
     def _admit(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
@@ -281,16 +341,26 @@ class Scheduler:
         return True
 
     def _preempt(self, group: SequenceGroup) -> None:
-        """Recompute mode: drop the KV cache of every sequence of the group; they re-prefill
-        prompt + output later, and the group resumes as a whole."""
-        for seq in group.seqs:
-            self.kv_cache_manager.free(seq)
-            seq.status = RequestStatus.PREEMPTED
-            seq.num_computed_tokens = 0
-            seq.num_preemptions += 1
+        """Swap the group's blocks out (mode "swap", if the swap space has room), or drop them
+        to recompute prompt + output later (mode "recompute", and the fallback); either way the
+        whole group goes."""
+        kv = self.kv_cache_manager
         self._num_running_seqs -= len(group.seqs)
         group.num_preemptions += 1
         self.num_preemptions_total += 1
+        for seq in group.seqs:
+            seq.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and kv.can_swap_out(group.seqs):
+            kv.swap_out(group.seqs)
+            for seq in group.seqs:
+                seq.status = RequestStatus.SWAPPED
+            self.num_swap_preemptions_total += 1
+            bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
+            return
+        for seq in group.seqs:
+            kv.free(seq)
+            seq.status = RequestStatus.PREEMPTED
+            seq.num_computed_tokens = 0
         self.waiting.appendleft(group)
 
     # -- after the step -------------------------------------------------------------------------

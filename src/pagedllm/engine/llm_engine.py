@@ -98,15 +98,22 @@ class LLMEngine:
         )
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.num_cpu_blocks = self._num_swap_blocks()
+        if self.num_cpu_blocks:
+            self.runner.allocate_swap_space(self.num_cpu_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                preemption_mode=args.preemption_mode,
             ),
-            KVCacheManager(self.num_blocks, self.block_size, args.enable_prefix_caching),
+            KVCacheManager(
+                self.num_blocks, self.block_size, args.enable_prefix_caching, self.num_cpu_blocks
+            ),
         )
+        self._num_preemptions_logged = 0
         self._states: dict[str, _RequestState] = {}
         self._request_counter = itertools.count()
 
@@ -144,6 +151,21 @@ class LLMEngine:
                 f"{self.max_model_len}: raise --kv-cache-memory to at least {need / 2**20:.0f}MiB "
                 f"or lower --max-model-len to {num_tokens} or less"
             )
+        return num_blocks
+
+    def _num_swap_blocks(self) -> int:
+        """Blocks of swap space: --swap-space GiB, never more than the KV cache itself (a
+        preempted group never holds more than the whole pool)."""
+        if self.args.preemption_mode != "swap":
+            return 0
+        bytes_per_block = kv_cache_bytes_per_token(self.model_config, self.dtype) * self.block_size
+        num_blocks = min(int(self.args.swap_space * 2**30) // bytes_per_block, self.num_blocks)
+        logger.info(
+            "swap space: %d blocks, %.2f GiB of CPU memory (preemption mode: swap)",
+            num_blocks, num_blocks * bytes_per_block / 2**30,
+        )  # fmt: skip
+        if num_blocks == 0:
+            logger.warning("swap space is empty: every preemption will recompute")
         return num_blocks
 
     def _kv_cache_budget(self) -> int:
@@ -280,6 +302,8 @@ class LLMEngine:
         """Schedule, run the model once, and return an output for every request that advanced
         (requests with best_of > n or beam search only once they finish)."""
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.preempted_request_ids:
+            self._warn_preemption()
         if scheduler_output.is_empty:
             return []
         now = time.time()
@@ -304,6 +328,41 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _warn_preemption(self) -> None:
+        """Like vLLM: the first preemption and every 50th after it are logged."""
+        total = self.scheduler.num_preemptions_total
+        if self._num_preemptions_logged and total < self._num_preemptions_logged + 50:
+            return
+        self._num_preemptions_logged = total
+        logger.warning(
+            "requests were preempted (%d so far; %d swapped out now, %d by swap in all): the KV "
+            "cache is too small for the load. Raise --kv-cache-memory (or "
+            "--gpu-memory-utilization), or lower --max-num-seqs or --max-num-batched-tokens; "
+            "--preemption-mode %s is in use",
+            total, self.scheduler.num_swapped, self.scheduler.num_swap_preemptions_total,
+            self.args.preemption_mode,
+        )  # fmt: skip
+
+    def get_stats(self) -> dict[str, float | int]:
+        """Scheduler and KV cache counters (for logs, benchmarks and the metrics endpoint)."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        num_cpu = kv.num_cpu_blocks
+        return {
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "num_swapped": scheduler.num_swapped,
+            "num_preemptions_total": scheduler.num_preemptions_total,
+            "num_swap_preemptions_total": scheduler.num_swap_preemptions_total,
+            "kv_cache_usage": kv.usage,
+            "swap_space_usage": 1 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_copied_blocks": self.runner.num_copied_blocks,
+            "num_swapped_out_blocks": self.runner.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.runner.num_swapped_in_blocks,
+        }
 
     def _process_samples(self, state: _RequestState) -> None:
         """Detokenize each sequence's new tokens; a matched stop string ends that sequence."""

@@ -24,6 +24,9 @@ _ENGINE_FLAGS = {
     "--num-gpu-blocks-override": (int, "number of KV-cache blocks, overriding the memory budget"),
     "--max-num-seqs": (int, "most requests in one batch"),
     "--max-num-batched-tokens": (int, "token budget of one step (prefill chunks + decodes)"),
+    "--preemption-mode": (str, "recompute | swap: what happens to a preempted request's KV cache"),
+    "--swap-space": (float, "GiB of CPU memory for swapped-out KV blocks (swap mode; at most "
+                            "the KV cache's size)"),
     "--attention-backend": (str, "auto | sdpa | torch"),
 }  # fmt: skip
 
