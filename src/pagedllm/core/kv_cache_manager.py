@@ -135,22 +135,33 @@ class KVCacheManager:
         need = cdiv(num_computed + num_new_tokens, self.block_size)
         return max(0, need - have)
 
-    def _shared_write_block(self, request: Request) -> KVCacheBlock | None:
+    def _shared_write_block(
+        self, request: Request, table: list[KVCacheBlock] | None = None
+    ) -> KVCacheBlock | None:
         """The partly filled block the next token goes into, if other sequences hold it too."""
         offset = request.num_computed_tokens % self.block_size
         if offset == 0:
             return None  # the next token starts a new block
-        block = self.req_to_blocks[request.seq_id][request.num_computed_tokens // self.block_size]
+        if table is None:
+            table = self.req_to_blocks[request.seq_id]
+        block = table[request.num_computed_tokens // self.block_size]
         return block if block.ref_cnt > 1 else None
 
-    def num_blocks_needed(self, requests: list[tuple[Request, int]]) -> int:
+    def num_blocks_needed(self, requests: list[tuple[Request, int]], swapped: bool = False) -> int:
         """Free blocks that allocating `num_new_tokens` for each (running) sequence takes, counting
-        copy-on-write: of k sequences writing into one block held k times, k - 1 copy it."""
+        copy-on-write: of k sequences writing into one block held k times, k - 1 copy it.
+
+        `swapped=True`: for swapped-out sequences, once swapped in (their sharing, and so the
+        copies, come back as they were); the blocks the swap-in itself takes are not counted.
+        """
+        tables = self.swapped_blocks if swapped else self.req_to_blocks
         total = 0
         writers: dict[int, list[int]] = {}  # shared block id -> [ref_cnt, sequences writing]
         for request, num_new_tokens in requests:
-            total += self.num_blocks_to_allocate(request, num_new_tokens)
-            block = self._shared_write_block(request)
+            table = tables.get(request.seq_id, [])
+            need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+            total += max(0, need - len(table))
+            block = self._shared_write_block(request, table) if table else None
             if block is not None:
                 writers.setdefault(block.block_id, [block.ref_cnt, 0])[1] += 1
         for ref_cnt, num_writers in writers.values():

@@ -12,8 +12,9 @@ longest cached prefix of full blocks, so a resumed group re-prefills only what w
 meanwhile, and its sequences share their common prompt blocks again.
 
 Preemption mode "swap" moves the victim's blocks to a CPU swap space instead (falling back to
-recompute when the swap space is full); swapped groups resume, in arrival order, before any
-waiting group, and no new request is admitted while any group is swapped out.
+recompute when the swap space is full). Preempted groups resume in arrival order, whether
+swapped out or waiting to be recomputed, before any new request; no new request is admitted
+while any group is swapped out.
 
 A group's sequences advance in lockstep: the step that samples one of them samples all, since
 beam search compares every beam's candidates and a sampling group forks on its first token.
@@ -203,33 +204,19 @@ class Scheduler:
         # max_num_seqs counts sequences, including those a group will fork into.
         num_seqs = sum(g.max_num_running_seqs for g in self.running)
 
-        # Then swapped-out groups, in arrival order; nothing else while any is still out.
-        while not preempted and self.swapped and budget > 0:
-            group = self.swapped[0]
+        # Then preempted groups, strictly in arrival order whichever way they were preempted
+        # (swapped out, or waiting at the head of `waiting` to be recomputed), then new ones,
+        # FCFS: nothing new while any group is swapped out, nothing at all in a step that had
+        # to preempt.
+        while not preempted and (self.swapped or self.waiting) and budget > 0:
+            group, swapped = self._next_to_resume()
             if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
                 break
-            plan = self._swap_in(group, budget)
+            plan = self._swap_in(group, budget) if swapped else self._admit(group, budget)
             if plan is None:
                 break
             num_seqs += group.max_num_running_seqs
             for seq, num_new in plan:
-                scheduled.append(seq)
-                num_scheduled[seq.seq_id] = num_new
-                budget -= num_new
-
-        # Then waiting groups, strictly FCFS (groups preempted for recompute sit at the head).
-        # Nothing new is admitted in a step that had to preempt.
-        while not (preempted or self.swapped) and self.waiting and budget > 0:
-            group = self.waiting[0]
-            if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
-                break
-            admitted = self._admit(group, budget)
-            if admitted is None:
-                break
-            self.waiting.popleft()
-            self._start_running(group)
-            num_seqs += group.max_num_running_seqs
-            for seq, num_new in admitted:
                 scheduled.append(seq)
                 num_scheduled[seq.seq_id] = num_new
                 budget -= num_new
@@ -280,16 +267,32 @@ class Scheduler:
         # Keep `running` in arrival order, so a resumed group is not the next victim.
         bisect.insort(self.running, group, key=lambda g: g.arrival_time)
 
+    def _next_to_resume(self) -> tuple[SequenceGroup, bool]:
+        """The next group to bring in, and whether it is swapped out: the earliest-arrived of the
+        preempted groups (swapped, or preempted for recompute), else the first new one.
+
+        Victims are always the latest-arrived running groups, so every preempted group arrived
+        after every running one; resuming them in arrival order keeps it that way (and keeps
+        the recompute victims at the head of `waiting` in arrival order). Resuming swapped
+        groups first instead would let a swapped group overtake an earlier one that fell back
+        to recompute, and, preempted again, be queued ahead of it."""
+        if not self.swapped:
+            return self.waiting[0], False
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.num_preemptions:  # preempted for recompute
+            if head.arrival_time < self.swapped[0].arrival_time:
+                return head, False
+        return self.swapped[0], True
+
     def _swap_in(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
-        """Bring a swapped group back and allocate its next tokens, or None if it does not fit
-        (a bound: one more block per sequence, for a new block or a copy-on-write)."""
+        """Bring a swapped group back and allocate its next tokens, or None if it does not fit.
+        Counted exactly (the blocks it held, then its new blocks and copies), so that a group
+        holding most of the pool can still come back once the pool is free."""
         kv = self.kv_cache_manager
         plan = self._plan_tokens(group.seqs, budget)
         if not plan:
             return None
-        need = kv.num_swap_in_blocks(group.seqs) + sum(
-            kv.num_blocks_to_allocate(seq, num_new) + 1 for seq, num_new in plan
-        )
+        need = kv.num_swap_in_blocks(group.seqs) + kv.num_blocks_needed(plan, swapped=True)
         if need > kv.num_free_blocks:
             return None
         self.swapped.pop(0)
@@ -301,8 +304,9 @@ class Scheduler:
         return plan
 
     def _admit(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
-        """Allocate a waiting group's sequences (a new request, or a preempted group to
-        recompute), all or none; returns the tokens to schedule, or None if it does not fit.
+        """Allocate the first waiting group's sequences (a new request, or a preempted group to
+        recompute), all or none, and start it running; returns the tokens to schedule, or None
+        if it does not fit.
 
         Prefix caching: leading blocks already cached (by anyone, or by this group before it was
         preempted) are taken as computed; the budget only pays for the rest.
@@ -321,6 +325,8 @@ class Scheduler:
             return None
         for seq, (_, num_hit) in zip(group.seqs, hits, strict=True):
             seq.num_computed_tokens = num_hit
+        self.waiting.remove(group)
+        self._start_running(group)
         return [(seq, plan[seq.seq_id]) for seq in group.seqs if seq.seq_id in plan]
 
     def _allocate_or_preempt(
@@ -474,14 +480,26 @@ class Scheduler:
         return None
 
     def check_integrity(self) -> None:
-        """The pool agrees with the block tables, and only live sequences hold blocks: running
-        ones, or (prefix hits aside) none while waiting or preempted."""
+        """The pools agree with the block tables, and only live sequences hold blocks: running
+        ones device blocks, swapped ones swap-space blocks, none while waiting or preempted.
+        Every unfinished group is in exactly one queue; running and swapped keep arrival order."""
         kv = self.kv_cache_manager
         kv.check_integrity()
         live = {s.seq_id for g in self.running for s in g.seqs}
         assert set(kv.req_to_blocks) <= live, (
             "a finished, waiting or preempted sequence holds blocks"
         )
+        swapped = {s.seq_id for g in self.swapped for s in g.seqs}
+        assert set(kv.swapped_blocks) == swapped, "swap-space tables and swapped groups disagree"
+        for group in self.swapped:
+            assert group.seqs and all(s.status == RequestStatus.SWAPPED for s in group.seqs)
+        queues = [*self.waiting, *self.running, *self.swapped]
+        assert len({id(g) for g in queues}) == len(queues) == len(self.requests), (
+            "a group is in no queue or in two"
+        )
+        for ordered in (self.running, self.swapped):
+            times = [g.arrival_time for g in ordered]
+            assert times == sorted(times), "running or swapped groups are out of arrival order"
         assert self._num_running_seqs == len(live), "running sequence count is off"
         for group in self.running:
             assert group.seqs and all(s.status == RequestStatus.RUNNING for s in group.seqs)

@@ -295,7 +295,7 @@ class LLMEngine:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_running + self.scheduler.num_waiting
+        return self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped
 
     # -- the step loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
