@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import prefix_caching, sharing, throughput
+    from pagedllm.benchmarks import preemption, prefix_caching, sharing, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on a sharegpt-like workload")
     add_engine_args(tp)
@@ -181,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(sh)
     sharing.add_cli_args(sh)
     sh.set_defaults(func=lambda ns: sharing.main(ns, engine_args_from(ns)))
+
+    pe = bench_sub.add_parser(
+        "preemption",
+        help="preemption by swap vs recompute: recovery time by block size, and throughput as "
+        "the KV pool shrinks",
+    )
+    add_engine_args(pe)
+    preemption.add_cli_args(pe)
+    pe.set_defaults(func=lambda ns: preemption.main(ns, engine_args_from(ns)))
     return parser
 
 
