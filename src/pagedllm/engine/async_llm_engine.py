@@ -1,0 +1,149 @@
+"""AsyncLLMEngine: the step loop in one background thread, a stream of outputs per request.
+
+Every engine call happens on that thread: `generate` and `abort` only post commands, which the
+loop applies between two steps. So an abort never lands between scheduling a step and running it
+(the blocks a scheduled step registers in the prefix cache are always written), and the engine
+needs no locks. Outputs reach each request's asyncio queue through its event loop. If a step
+raises, the loop stops, every open stream gets an `EngineDeadError`, and so does every later call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; nothing more can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self.dead_error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- the API (any thread, any event loop) --------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    def check_health(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        delta: bool = False,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes. Bad input raises ValueError on the first
+        iteration. Leaving the loop early (a client disconnects, the task is cancelled) aborts
+        the request, which frees its blocks before the next step."""
+        self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt, params, time.time(), delta, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine holds nothing for it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort whatever is in flight and stop the loop."""
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # -- the loop (its own thread) -------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block for work when idle; between steps, take whatever has arrived.
+                block = not engine.has_unfinished_requests()
+                if not self._apply_commands(block):
+                    return
+                if engine.has_unfinished_requests():
+                    for output in engine.step():
+                        stream = self._streams.get(output.request_id)
+                        if stream is not None:
+                            stream.put(output)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the clients
+            logger.exception("the engine loop died")
+            self.dead_error = e
+            error = EngineDeadError(f"the engine loop died: {e!r}")
+            for stream in list(self._streams.values()):
+                stream.put(error)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply pending commands (waiting for one if `block`); False once told to stop."""
+        engine = self.engine
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if block and not self._stopping:
+                    continue
+                return not self._stopping
+            block = False
+            kind = command[0]
+            if kind == "stop":
+                ids = list(engine.scheduler.requests)
+                engine.abort_request(ids)
+                for stream in self._streams.values():
+                    stream.put(EngineDeadError("the server is shutting down"))
+                return False
+            if kind == "abort":
+                engine.abort_request(command[1])
+                continue
+            _, request_id, prompt, params, arrival, delta, cache_salt = command
+            if request_id not in self._streams:
+                continue  # its client left before the request was added
+            try:
+                engine.add_request(request_id, prompt, params, arrival, delta, cache_salt)
+            except ValueError as e:
+                self._streams[request_id].put(e)

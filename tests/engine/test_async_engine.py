@@ -1,0 +1,147 @@
+"""AsyncLLMEngine on a tiny random Llama: concurrent streams, abort on cancel, a dead loop."""
+
+import asyncio
+
+import pytest
+
+from pagedllm import EngineArgs, SamplingParams
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.llm_engine import LLMEngine
+from tests.conftest import save_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 9, 3, 17, 4], list(range(40, 60)), [100, 7, 33]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-async")
+    save_tiny_llama(path)
+    return str(path)
+
+
+def make_engine(path, **kwargs):
+    return LLMEngine(EngineArgs(model=path, block_size=4, kv_cache_memory="4MiB", **kwargs))
+
+
+def offline(path):
+    engine = make_engine(path)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
+
+
+async def collect(aengine, prompt, request_id, params=GREEDY, delta=False):
+    outputs = [o async for o in aengine.generate(prompt, params, request_id, delta=delta)]
+    return outputs
+
+
+def idle_and_clean(engine):
+    kv = engine.scheduler.kv_cache_manager
+    engine.scheduler.check_integrity()
+    return not engine.has_unfinished_requests() and kv.num_free_blocks == engine.num_blocks
+
+
+def test_concurrent_streams_equal_offline_and_deltas_add_up(tiny):
+    want = offline(tiny)
+    aengine = AsyncLLMEngine(make_engine(tiny))
+    try:
+
+        async def main():
+            full = await asyncio.gather(
+                *(collect(aengine, p, f"r{i}") for i, p in enumerate(PROMPTS))
+            )
+            deltas = await collect(aengine, PROMPTS[1], "d", delta=True)
+            return full, deltas
+
+        full, deltas = asyncio.run(main())
+        assert [outs[-1].outputs[0].token_ids for outs in full] == want
+        assert all(outs[-1].finished and not any(o.finished for o in outs[:-1]) for outs in full)
+        assert [t for o in deltas for t in o.outputs[0].token_ids] == want[1]
+        assert idle_and_clean(aengine.engine)
+    finally:
+        aengine.shutdown()
+
+
+def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(tiny):
+    aengine = AsyncLLMEngine(make_engine(tiny))
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    try:
+
+        async def main():
+            got = 0
+            async for _ in aengine.generate(PROMPTS[1], long, "gone"):
+                got += 1
+                if got == 3:
+                    break  # the client disconnects
+            # The abort is applied before the next step; wait for the loop to get there.
+            for _ in range(200):
+                if idle_and_clean(aengine.engine):
+                    break
+                await asyncio.sleep(0.01)
+            other = await collect(aengine, PROMPTS[0], "next")
+            return got, other
+
+        got, other = asyncio.run(main())
+        assert got == 3
+        assert idle_and_clean(aengine.engine)
+        assert other[-1].finished and len(other[-1].outputs[0].token_ids) == 12
+    finally:
+        aengine.shutdown()
+
+
+def test_bad_input_raises_in_the_caller_and_the_engine_goes_on(tiny):
+    aengine = AsyncLLMEngine(make_engine(tiny, max_model_len=32))
+    try:
+
+        async def main():
+            with pytest.raises(ValueError, match="max_model_len"):
+                await collect(aengine, list(range(3, 40)), "too-long")
+            return await collect(aengine, PROMPTS[0], "fine")
+
+        assert asyncio.run(main())[-1].finished
+        assert idle_and_clean(aengine.engine)
+    finally:
+        aengine.shutdown()
+
+
+def test_a_dead_loop_fails_open_streams_and_later_calls(tiny):
+    engine = make_engine(tiny)
+    aengine = AsyncLLMEngine(engine)
+
+    def broken_step():
+        raise RuntimeError("injected")
+
+    engine.step = broken_step
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="injected"):
+            await collect(aengine, PROMPTS[0], "a")
+        with pytest.raises(EngineDeadError):
+            await collect(aengine, PROMPTS[0], "b")
+
+    asyncio.run(main())
+    assert not aengine.is_running
+    with pytest.raises(EngineDeadError):
+        aengine.check_health()
+
+
+def test_shutdown_aborts_what_is_in_flight(tiny):
+    aengine = AsyncLLMEngine(make_engine(tiny))
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async def client():
+            async for o in aengine.generate(PROMPTS[1], long, "x"):
+                if len(o.outputs[0].token_ids) == 2:
+                    aengine.shutdown(timeout=None)
+
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await client()
+
+    asyncio.run(main())
+    assert not aengine._thread.is_alive()
+    assert idle_and_clean(aengine.engine)
