@@ -88,8 +88,10 @@ class SamplingParams:
             raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+        ):  # torch generators take 64 bits; sample i draws with seed + i
+            raise bad("seed", "must be a 64-bit signed integer")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
