@@ -1,8 +1,9 @@
-"""`pagedllm generate | chat | bench`: the command line."""
+"""`pagedllm generate | chat | serve | bench`: the command line."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -138,6 +139,37 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    chat_template = _chat_template_arg(ns.chat_template)
+    engine = LLMEngine(engine_args_from(ns))
+    name = ns.served_model_name or ns.model or engine.model_name
+    run_server(
+        AsyncLLMEngine(engine),
+        name,
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        chat_template=chat_template,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="the model (as --model; default: SmolLM2-135M-Instruct)")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: MODEL)")  # fmt: skip
+    serve.add_argument("--api-key", default=None,
+                       help="require this Bearer key on /v1 (or $PAGEDLLM_API_KEY)")  # fmt: skip
+    serve.add_argument("--chat-template", default=None,
+                       help="a chat template file, or the template itself")  # fmt: skip
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP server: `build_app(...)` and `run_server(...)`."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedllm")
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+
+
+class EngineStatsCollector:
+    """Prometheus metrics read from `engine.get_stats()` at scrape time."""
+
+    def __init__(self, async_engine: AsyncLLMEngine, model_name: str) -> None:
+        self.async_engine = async_engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.async_engine.engine.get_stats()
+        labels = ["model_name"]
+        value = [self.model_name]
+        gauges = {
+            "num_requests_running": ("num_running", "Requests running now."),
+            "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+            "num_requests_swapped": ("num_swapped", "Requests swapped out to CPU memory."),
+            "kv_cache_usage_perc": ("kv_cache_usage", "KV-cache usage (1 = full)."),
+        }
+        for name, (key, doc) in gauges.items():
+            metric = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+            metric.add_metric(value, float(stats[key]))
+            yield metric
+        counters = {
+            "num_preemptions": ("num_preemptions_total", "Preemptions so far."),
+            "prefix_cache_queries": ("prefix_cache_queries", "Blocks looked up in the cache."),
+            "prefix_cache_hits": ("prefix_cache_hits", "Blocks found in the prefix cache."),
+        }
+        for name, (key, doc) in counters.items():
+            metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+            metric.add_metric(value, float(stats[key]))
+            yield metric
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors[:5]
+    )
+    return message, param
+
+
+def build_app(
+    async_engine: AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> FastAPI:
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    completions = OpenAIServingCompletion(async_engine, served_model_name, chat_template)
+    chat = OpenAIServingChat(async_engine, served_model_name, chat_template)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(async_engine, served_model_name))
+    app.state.async_engine = async_engine
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        logger.exception("request failed", exc_info=exc)
+        return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
+
+    if api_key:
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "")
+                expected = f"Bearer {api_key}"
+                if not hmac.compare_digest(given.encode(), expected.encode()):
+                    body = error_body("invalid or missing API key", 401)
+                    return JSONResponse(body, status_code=401)
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return JSONResponse(error_body("the engine loop has stopped", 503), 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(
+            id=served_model_name,
+            root=async_engine.engine.args.model or async_engine.engine.model_name,
+            max_model_len=async_engine.engine.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await chat.create(body, request)
+
+    return app
+
+
+def run_server(
+    async_engine: AsyncLLMEngine,
+    served_model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> None:
+    """Serve until Ctrl-C or SIGTERM (uvicorn's handlers), then stop the engine loop."""
+    app = build_app(async_engine, served_model_name, api_key, chat_template)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+
+    def _exit(signum, frame):
+        raise SystemExit(0)
+
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal with the
+    # previous handler: this one, so that SIGTERM ends the process with status 0, like Ctrl-C.
+    signal.signal(signal.SIGTERM, _exit)
+    logger.info("serving %s at http://%s:%d/v1", served_model_name, host, port)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        async_engine.shutdown()
+        logger.info("server stopped")

@@ -1,0 +1,243 @@
+"""What completions and chat share: errors, prompt checks, merged streams, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+T = TypeVar("T")
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
+
+
+class OpenAIError(Exception):
+    """Answered as OpenAI's {"error": {...}} with this status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    kind = _ERROR_TYPES.get(status, "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class OpenAIServing:
+    def __init__(
+        self, async_engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None
+    ) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.max_model_len = self.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def check_health(self) -> None:
+        try:
+            self.async_engine.check_health()
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), 503) from None
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """vLLM's context-length errors: the prompt plus max_tokens must fit max_model_len."""
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise OpenAIError("The prompt is empty: give at least one token.", param="prompt")
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise OpenAIError(
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"request has {num_prompt_tokens} input tokens (it needs room for at least "
+                    "one generated token). Please reduce the length of the input.",
+                    param="messages",
+                )
+        elif num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the input, "
+                f"{max_tokens} in the completion). Please reduce the length of the input or "
+                "completion.",
+                param="max_tokens",
+            )
+
+    @staticmethod
+    def make_params(build, *args) -> SamplingParams:
+        try:
+            return build(*args)
+        except (ValueError, TypeError) as e:
+            # SamplingParams' messages start with the field's name.
+            name = str(e).split(" ", 1)[0]
+            param = name if name in SamplingParams.__dataclass_fields__ else None
+            raise OpenAIError(str(e), param=param) from None
+
+    def generators(
+        self,
+        prompts: list[dict],
+        params: SamplingParams,
+        request_id: str,
+        delta: bool,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            self.async_engine.generate(prompt, params, f"{request_id}-{i}", delta=delta)
+            for i, prompt in enumerate(prompts)
+        ]
+
+    async def final_outputs(self, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        """The last (complete) output of each generator, in order."""
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        async for i, output in merge(gens):
+            finals[i] = output
+        return finals  # type: ignore[return-value]
+
+    async def first_and_rest(
+        self, gens: list[AsyncIterator[RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The merged stream, its first item already awaited, so that bad input (raised by the
+        engine on the first item) becomes a 400 before the streaming response starts."""
+        stream = merge(gens)
+        try:
+            first = await anext(stream)
+        except BaseException as e:
+            await stream.aclose()
+            raise engine_error(e) from None
+
+        async def rest():
+            try:
+                yield first
+                async for item in stream:
+                    yield item
+            finally:
+                await stream.aclose()
+
+        return rest()
+
+
+def engine_error(e: BaseException) -> BaseException:
+    """An engine exception as the OpenAIError it deserves (others pass through)."""
+    if isinstance(e, ValueError):
+        return OpenAIError(str(e))
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), 503)
+    return e
+
+
+async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async generators as they come, tagged with the generator's index.
+    Closing the merged stream cancels the pumps, which closes (aborts) every generator."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[T]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client goes away first, cancel it (aborting its requests) -> None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if task.cancelled():
+        logger.info("client disconnected: request aborted")
+        return None
+    return task.result()
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A streaming response that stops (and closes its iterator, aborting the request) as soon
+    as the client disconnects, not at the next chunk it fails to send."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.create_task(super().__call__(scope, receive, send))
+        watcher = asyncio.create_task(listen())
+        try:
+            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not streaming.done():
+                logger.info("client disconnected mid-stream: request aborted")
+        finally:
+            for task in (streaming, watcher):
+                task.cancel()
+            await asyncio.gather(streaming, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def stream_error(e: BaseException) -> str:
+    """An error after a stream started (its status already sent), as an in-band event."""
+    error = engine_error(e)
+    if isinstance(error, OpenAIError):
+        return json.dumps(error.body())
+    logger.exception("a streaming request failed", exc_info=e)
+    return json.dumps(error_body(f"internal error: {e!r}", 500))

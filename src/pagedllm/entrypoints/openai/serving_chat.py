@@ -1,0 +1,202 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving import (
+    MAX_LOGPROB,
+    DisconnectAwareStream,
+    OpenAIError,
+    OpenAIServing,
+    engine_error,
+    sse,
+    stream_error,
+    unless_disconnected,
+)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+_MAX_TOP_LOGPROBS = 20
+
+
+def _logprob(lp: Logprob) -> ChatLogProb:
+    token = lp.decoded_token or ""
+    return ChatLogProb(
+        token=token, logprob=max(lp.logprob, MAX_LOGPROB), bytes=list(token.encode())
+    )
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
+) -> ChatChoiceLogProbs:
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        sampled = _logprob(entry[token_id])
+        ranked = sorted(
+            (lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
+            key=lambda lp: lp.rank,
+        )
+        top = [_logprob(lp) for lp in ranked[:num_top]]
+        content.append(ChatLogProbsContent(**sampled.model_dump(), top_logprobs=top))
+    return ChatChoiceLogProbs(content=content)
+
+
+def _message_dict(message) -> dict:
+    data = message.model_dump(exclude_none=True)
+    content = data.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError("only text content parts are supported", param="messages.content")
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    return data
+
+
+class OpenAIServingChat(OpenAIServing):
+    def _prompt(self, body: ChatCompletionRequest) -> dict:
+        if self.tokenizer is None or (
+            self.tokenizer.chat_template is None and self.chat_template is None
+        ):
+            raise OpenAIError("this model has no chat template: use /v1/completions")
+        messages = [_message_dict(m) for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template=self.chat_template,
+            )
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
+            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _num_logprobs(self, body: ChatCompletionRequest) -> int | None:
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise OpenAIError(
+                    "when using top_logprobs, logprobs must be set to true", param="top_logprobs"
+                )
+            if not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS:
+                raise OpenAIError(
+                    f"top_logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS}], "
+                    f"got {body.top_logprobs}",
+                    param="top_logprobs",
+                )
+        if not body.logprobs:
+            return None
+        return body.top_logprobs or 0
+
+    async def create(self, body: ChatCompletionRequest, raw: Request):
+        self.check_model(body.model)
+        self.check_health()
+        num_logprobs = self._num_logprobs(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = self.make_params(body.sampling_params, max_tokens, num_logprobs)
+        if body.stream and params.num_sequences > params.n and not params.use_beam_search:
+            raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
+        prompt = self._prompt(body)
+        self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
+        request_id = random_id("chatcmpl")
+        gens = self.generators([prompt], params, request_id, delta=body.stream)
+        if body.stream:
+            stream = await self.first_and_rest(gens)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return DisconnectAwareStream(
+                self._stream(body, request_id, stream, include_usage),
+                media_type="text/event-stream",
+            )
+        try:
+            finals = await unless_disconnected(raw, self.final_outputs(gens))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:
+            return JSONResponse({}, status_code=499)
+        return self._response(body, request_id, finals[0], num_logprobs)
+
+    def _choice_logprobs(self, c: CompletionOutput, num_logprobs: int | None):
+        if num_logprobs is None or c.logprobs is None:
+            return None
+        return chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
+
+    def _response(
+        self, body, request_id: str, final: RequestOutput, num_logprobs: int | None
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._choice_logprobs(c, num_logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in sorted(final.outputs, key=lambda c: c.index)
+        ]
+        prompt_tokens = len(final.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return ChatCompletionResponse(
+            id=request_id, model=self.served_model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        model = self.served_model_name
+        num_logprobs = self._num_logprobs(body)
+        usage = UsageInfo()
+        try:
+            # The role comes first, once per choice, as OpenAI sends it.
+            for index in range(body.n):
+                delta = DeltaMessage(role="assistant", content="")
+                role = ChatStreamChoice(index=index, delta=delta)
+                chunk = ChatCompletionChunk(id=request_id, model=model, choices=[role])
+                yield sse(chunk.model_dump_json())
+            async for _, output in stream:
+                usage.prompt_tokens = len(output.prompt_token_ids)
+                for c in output.outputs:
+                    usage.completion_tokens += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    choice = ChatStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text),
+                        logprobs=self._choice_logprobs(c, num_logprobs),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    chunk = ChatCompletionChunk(id=request_id, model=model, choices=[choice])
+                    yield sse(chunk.model_dump_json())
+            if include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                chunk = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
+            yield sse(stream_error(e))
+        yield sse("[DONE]")

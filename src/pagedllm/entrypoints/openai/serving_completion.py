@@ -1,0 +1,187 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving import (
+    MAX_LOGPROB,
+    DisconnectAwareStream,
+    OpenAIError,
+    OpenAIServing,
+    engine_error,
+    sse,
+    stream_error,
+    unless_disconnected,
+)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int, offset: int
+) -> CompletionLogProbs:
+    """OpenAI's completions format; `offset`: where the first token starts in the text."""
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(max(sampled.logprob, MAX_LOGPROB))
+        top = {}
+        for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
+            if tid == token_id or (lp.rank is not None and lp.rank <= num_top):
+                top.setdefault(lp.decoded_token or "", max(lp.logprob, MAX_LOGPROB))
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompts(self, prompt) -> list[dict]:
+        """A string, a list of strings, token ids, or a list of token-id lists -> engine prompts."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        prompts = []
+        for p in prompt:
+            if isinstance(p, str):
+                prompts.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
+            else:
+                vocab = self.engine.model_config.vocab_size
+                bad = [t for t in p if not 0 <= t < vocab]
+                if bad:
+                    raise OpenAIError(
+                        f"token id {bad[0]} is out of range for a vocabulary of {vocab}",
+                        param="prompt",
+                    )
+                prompts.append({"prompt": None, "prompt_token_ids": list(p)})
+        return prompts
+
+    def _prompt_text(self, prompt: dict) -> str:
+        if prompt["prompt"] is not None:
+            return prompt["prompt"]
+        return self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+
+    async def create(self, body: CompletionRequest, raw: Request):
+        self.check_model(body.model)
+        self.check_health()
+        if body.suffix is not None:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError(
+                "echo with logprobs is not supported (prompt logprobs are not computed yet)",
+                param="echo",
+            )
+        params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
+        if body.stream and params.num_sequences > params.n and not params.use_beam_search:
+            raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
+        prompts = self._prompts(body.prompt)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
+        request_id = random_id("cmpl")
+        gens = self.generators(prompts, params, request_id, delta=body.stream)
+        if body.stream:
+            stream = await self.first_and_rest(gens)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return DisconnectAwareStream(
+                self._stream(body, request_id, prompts, stream, include_usage),
+                media_type="text/event-stream",
+            )
+        try:
+            finals = await unless_disconnected(raw, self.final_outputs(gens))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:  # the client left; nobody reads this
+            return JSONResponse({}, status_code=499)
+        return self._response(body, request_id, prompts, finals)
+
+    def _choice_logprobs(self, body, c: CompletionOutput, offset: int):
+        if body.logprobs is None or c.logprobs is None:
+            return None
+        return completion_logprobs(c.token_ids, c.logprobs, body.logprobs, offset)
+
+    def _response(
+        self, body: CompletionRequest, request_id: str, prompts, finals: list[RequestOutput]
+    ) -> CompletionResponse:
+        choices = []
+        usage = UsageInfo()
+        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            usage.prompt_tokens += len(final.prompt_token_ids)
+            echo = self._prompt_text(prompt) if body.echo else ""
+            for c in final.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                choices.append(
+                    CompletionChoice(
+                        index=i * body.n + c.index,
+                        text=echo + c.text,
+                        logprobs=self._choice_logprobs(body, c, len(echo)),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda ch: ch.index)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(
+            id=request_id, model=self.served_model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self,
+        body: CompletionRequest,
+        request_id: str,
+        prompts: list[dict],
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        model = self.served_model_name
+        offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        usage = UsageInfo()
+        counted_prompts = set()
+        try:
+            async for i, output in stream:
+                if i not in counted_prompts:
+                    counted_prompts.add(i)
+                    usage.prompt_tokens += len(output.prompt_token_ids)
+                for c in output.outputs:
+                    index = i * body.n + c.index
+                    text = c.text
+                    if index not in offsets:
+                        offsets[index] = 0
+                        if body.echo:
+                            text = self._prompt_text(prompts[i]) + text
+                    usage.completion_tokens += len(c.token_ids)
+                    if not text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    offset = offsets[index] + len(text) - len(c.text)
+                    choice = CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=self._choice_logprobs(body, c, offset),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    offsets[index] += len(text)
+                    chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
+                    yield sse(chunk.model_dump_json(exclude_unset=False))
+            if include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                chunk = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
+            yield sse(stream_error(e))
+        yield sse("[DONE]")

@@ -1,0 +1,359 @@
+"""`pagedllm serve` as a real subprocess on loopback, driven by the `openai` client and httpx."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedllm.model_loader.loader import load_tokenizer, resolve_model
+
+pytestmark = pytest.mark.slow
+
+PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+FLAGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB"]
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [*PAGEDLLM, "serve", "--port", str(self.port), *FLAGS, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("the server did not come up in 120 s")
+
+    def stop(self) -> str:
+        """SIGTERM, as a service manager would; returns the server's log."""
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("pagedllm:"):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = float(value)
+        return values
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            busy = m["pagedllm:num_requests_running"] + m["pagedllm:num_requests_waiting"]
+            if (not busy and m["pagedllm:kv_cache_usage_perc"] == 0) or time.time() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    log = s.stop()
+    assert s.proc.returncode == 0, log
+    assert f"serving {MODEL} at {s.url}/v1" in log and "server stopped" in log
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_streamed_equals_non_streamed_and_usage(client, tokenizer):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    choice = full.choices[0]
+    assert choice.text and choice.finish_reason in ("length", "stop")
+    assert full.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert full.usage.completion_tokens <= 16
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and set(finishes[:-1]) <= {None}
+
+
+def test_completion_prompt_forms_n_and_echo(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    # A list of prompts (text and token ids), n=2 each: indices prompt_index * n + i.
+    many = client.completions.create(
+        model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0, n=2
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert all(c.text == one.choices[0].text for c in many.choices)
+    assert many.usage.prompt_tokens == 2 * len(ids)
+    echo = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True
+    )
+    assert echo.choices[0].text == PROMPT + one.choices[0].text
+
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=3)
+    a = client.completions.create(n=3, **kwargs)
+    b = client.completions.create(n=3, **kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # seed + i per sample
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(n=3, stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in a.choices]
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.index for c in best.choices] == [0, 1]
+
+
+def test_completion_logprobs_and_stop(client):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and 3 <= len(top) <= 4
+        assert top[token] == logprob == max(top.values())  # greedy: the most likely token
+
+    full = out.choices[0].text
+    stop = full.strip()[2:5]
+    stopped = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full[: full.index(stop)]
+
+
+def test_chat_streamed_equals_non_streamed_multi_turn_and_logprobs(client, tokenizer):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        *CHAT,
+    ]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=16, temperature=0
+    )
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert full.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    assert full.usage.completion_tokens <= 16
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        message.content
+    )
+    assert chunks[-1].usage == full.usage
+
+    lp = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token  # greedy
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes).decode() == entry.token
+    two = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0.9, seed=1, n=2
+    )
+    assert [c.index for c in two.choices] == [0, 1]
+
+
+def test_32_concurrent_requests(client, server):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        async with aclient:
+            calls = [
+                aclient.completions.create(
+                    model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=8, temperature=0
+                )
+                if i % 2
+                else aclient.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Count to {i}."}],
+                    max_tokens=8,
+                    temperature=0,
+                )
+                for i in range(32)
+            ]
+            return await asyncio.gather(*calls)
+
+    results = asyncio.run(main())
+    assert len(results) == 32 and all(r.usage.completion_tokens > 0 for r in results)
+    assert server.wait_idle()["pagedllm:num_requests_running"] == 0
+
+
+def test_client_disconnect_aborts_the_request(server):
+    long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream(
+            "POST", f"{server.url}/v1/completions", json={**long, "stream": True}
+        ) as response:
+            assert response.status_code == 200
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= 6:
+                    break
+            assert server.metrics()["pagedllm:num_requests_running"] == 1
+        # Closed after a few chunks: the request is aborted and its blocks freed.
+        m = server.wait_idle()
+        assert m["pagedllm:num_requests_running"] == 0
+        assert m["pagedllm:kv_cache_usage_perc"] == 0
+
+        # A non-streaming client that gives up is aborted too.
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{server.url}/v1/completions", json=long, timeout=1.0)
+        m = server.wait_idle()
+        assert m["pagedllm:num_requests_running"] == 0
+        assert m["pagedllm:kv_cache_usage_perc"] == 0
+
+        assert http.get(f"{server.url}/health").status_code == 200
+        after = http.post(f"{server.url}/v1/completions", json={"prompt": PROMPT})
+        assert after.status_code == 200 and after.json()["choices"][0]["text"]
+
+
+def _error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, status, message",
+    [
+        ("completions", {"prompt": "x", "max_tokens": 600}, 400,
+         "maximum context length is 512 tokens. However, you requested 601 tokens "
+         "(1 in the input, 600 in the completion)"),
+        ("completions", {"prompt": "x " * 600}, 400, "maximum context length is 512 tokens"),
+        ("chat/completions", {"messages": CHAT, "max_tokens": 500}, 400,
+         "maximum context length is 512 tokens"),
+        ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be"),
+        ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+        ("completions", {"prompt": "x", "n": 0}, 400, "n must be an integer >= 1"),
+        ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be"),
+        ("completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs must be"),
+        ("completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of must be"),
+        ("completions", {"prompt": "x", "n": "two"}, 400, "n: Input should be a valid integer"),
+        ("completions", {"prompt": "x", "seed": 2**64}, 400, "seed must be a 64-bit"),
+        ("completions", {"prompt": "x", "n": 10**6}, 400, "max_num_seqs"),
+        ("completions", {"prompt": "x", "top_k": 10**12, "max_tokens": 10**12}, 400,
+         "maximum context length"),
+        ("completions", {"prompt": 3}, 400, "prompt"),
+        ("completions", {"max_tokens": 3}, 400, "prompt: Field required"),
+        ("completions", {"prompt": [999999]}, 400, "out of range"),
+        ("completions", {"prompt": ""}, 400, "empty"),
+        ("completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+        ("completions", {"prompt": "x", "stream": True, "best_of": 2}, 400, "best_of"),
+        ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
+        ("chat/completions", {"messages": []}, 400, "messages"),
+        ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "logprobs must be"),
+        ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "role"),
+    ],
+)  # fmt: skip
+def test_errors(server, path, body, status, message):
+    error = _error(httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30), status)
+    assert message in error["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200  # the engine lives on
+
+
+def test_malformed_json_and_unknown_route(server):
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"prompt": "x",',
+        headers={"content-type": "application/json"},
+    )
+    assert "not valid JSON" in _error(response, 400)["message"]
+    _error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    # The stream of a bad request is refused before it starts, with the status.
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": [999999], "stream": True})
+    _error(response, 400)
+    assert server.wait_idle()["pagedllm:num_requests_running"] == 0
+
+
+def test_api_key():
+    server = Server("--served-model-name", "smol", env={"PAGEDLLM_API_KEY": "sekrit"})
+    try:
+        url = f"{server.url}/v1/models"
+        _error(httpx.get(url), 401)
+        _error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401)
+        ok = httpx.get(url, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "smol"
+        assert httpx.get(f"{server.url}/health").status_code == 200  # not under /v1
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekrit", max_retries=0)
+        out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4)
+        assert out.choices[0].text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
