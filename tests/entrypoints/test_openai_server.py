@@ -340,8 +340,14 @@ def test_malformed_json_and_unknown_route(server):
     assert server.wait_idle()["pagedllm:num_requests_running"] == 0
 
 
-def test_api_key():
-    server = Server("--served-model-name", "smol", env={"PAGEDLLM_API_KEY": "sekrit"})
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def test_api_key_served_model_name_and_chat_template(tokenizer):
+    server = Server(
+        "--served-model-name", "smol", "--chat-template", TEMPLATE,
+        env={"PAGEDLLM_API_KEY": "sekrit"},
+    )  # fmt: skip
     try:
         url = f"{server.url}/v1/models"
         _error(httpx.get(url), 401)
@@ -352,6 +358,9 @@ def test_api_key():
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekrit", max_retries=0)
         out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4)
         assert out.choices[0].text
+        chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=4)
+        rendered = f"user: {CHAT[0]['content']}\nassistant:"
+        assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
     finally:

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -194,6 +194,10 @@ class ChatStreamChoice(OpenAIModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta(self, delta: DeltaMessage) -> dict:
+        return delta.model_dump(exclude_none=True)  # {"content": ...}, the role only first
 
 
 class ChatCompletionChunk(OpenAIModel):

@@ -60,6 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for p in prompt:
             if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
                 prompts.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
             else:
                 vocab = self.engine.model_config.vocab_size
@@ -75,6 +77,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, prompt: dict) -> str:
         if prompt["prompt"] is not None:
             return prompt["prompt"]
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
 
     async def create(self, body: CompletionRequest, raw: Request):

@@ -1,0 +1,154 @@
+"""The server's pieces without a model: request mapping, logprob formats, merged streams, the
+app's error shapes and API key on a stub engine, and the `serve` flags."""
+
+import asyncio
+from types import SimpleNamespace
+
+from fastapi.testclient import TestClient
+
+from pagedllm.entrypoints.cli import _chat_template_arg, build_parser, engine_args_from
+from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.serving import merge
+from pagedllm.entrypoints.openai.serving_chat import chat_logprobs
+from pagedllm.entrypoints.openai.serving_completion import completion_logprobs
+from pagedllm.outputs import Logprob
+
+
+def test_requests_map_to_sampling_params():
+    body = CompletionRequest(
+        prompt="x", max_tokens=7, temperature=0.5, top_k=3, min_p=0.1, repetition_penalty=1.2,
+        min_tokens=2, ignore_eos=True, stop_token_ids=[5], stop="\n", seed=4,
+        logit_bias={"3": -1}, skip_special_tokens=False, include_stop_str_in_output=True,
+    )  # fmt: skip
+    params = body.sampling_params(body.max_tokens, 2)
+    assert (params.max_tokens, params.temperature, params.top_k, params.min_p) == (7, 0.5, 3, 0.1)
+    assert params.stop == ["\n"] and params.stop_token_ids == [5] and params.logit_bias == {3: -1}
+    assert params.ignore_eos and params.include_stop_str_in_output and params.logprobs == 2
+    assert CompletionRequest(prompt="x").sampling_params(16, None).temperature == 1.0
+    beam = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], use_beam_search=True, n=2, length_penalty=0.5
+    ).sampling_params(None, None)
+    assert beam.use_beam_search and beam.temperature == 0 and beam.max_tokens is None
+
+
+def test_completion_and_chat_logprob_formats():
+    entries = [
+        {7: Logprob(-0.1, 1, "He"), 8: Logprob(-2.5, 2, "A"), 9: Logprob(-3.0, 3, "B")},
+        {4: Logprob(-4.0, 5, "llo"), 1: Logprob(-0.2, 1, "y"), 2: Logprob(float("-inf"), 2, "!")},
+    ]
+    out = completion_logprobs([7, 4], entries, num_top=2, offset=3)
+    assert out.tokens == ["He", "llo"] and out.token_logprobs == [-0.1, -4.0]
+    assert out.text_offset == [3, 5]
+    assert out.top_logprobs == [{"He": -0.1, "A": -2.5}, {"y": -0.2, "!": -9999.0, "llo": -4.0}]
+    chat = chat_logprobs([7, 4], entries, num_top=1).content
+    assert [(c.token, c.logprob, c.bytes) for c in chat] == [
+        ("He", -0.1, list(b"He")),
+        ("llo", -4.0, list(b"llo")),
+    ]
+    assert [[t.token for t in c.top_logprobs] for c in chat] == [["He"], ["y"]]
+
+
+def test_merge_interleaves_and_closing_closes_every_generator():
+    closed = []
+
+    async def gen(name, n, delay):
+        try:
+            for i in range(n):
+                await asyncio.sleep(delay)
+                yield f"{name}{i}"
+        finally:
+            closed.append(name)
+
+    async def main():
+        items = [item async for item in merge([gen("a", 2, 0.001), gen("b", 3, 0.0015)])]
+        stream = merge([gen("c", 100, 0.001), gen("d", 100, 0.001)])
+        first = await anext(stream)
+        await stream.aclose()
+        return items, first
+
+    items, first = asyncio.run(main())
+    assert sorted(items) == [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1"), (1, "b2")]
+    assert first[1] in ("c0", "d0") and sorted(closed) == ["a", "b", "c", "d"]
+
+
+def _stub_engine(alive=True):
+    engine = SimpleNamespace(
+        tokenizer=None,
+        max_model_len=64,
+        model_name="stub",
+        args=SimpleNamespace(model=None),
+        model_config=SimpleNamespace(vocab_size=10),
+        get_stats=lambda: {
+            "num_running": 2,
+            "num_waiting": 1,
+            "num_swapped": 0,
+            "kv_cache_usage": 0.25,
+            "num_preemptions_total": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+        },  # fmt: skip
+    )
+
+    def check_health():
+        if not alive:
+            from pagedllm.engine.async_llm_engine import EngineDeadError
+
+            raise EngineDeadError("the engine loop has stopped")
+
+    return SimpleNamespace(engine=engine, is_running=alive, check_health=check_health)
+
+
+def _error(response, status, fragment):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and fragment in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_app_errors_metrics_and_api_key(monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    client = TestClient(build_app(_stub_engine(), "stub"))
+    _error(client.post("/v1/completions", json={"prompt": "x", "model": "m"}), 404, "`m`")
+    _error(client.post("/v1/completions", json={"prompt": "x", "n": []}), 400, "n:")
+    json_header = {"content-type": "application/json"}
+    _error(client.post("/v1/completions", content=b"{", headers=json_header), 400, "not valid JSON")
+    _error(client.post("/v1/completions", json={"prompt": "text"}), 400, "no tokenizer")
+    _error(client.post("/v1/completions", json={"prompt": "x", "top_p": 5}), 400, "top_p")
+    _error(client.post("/v1/completions", json={"prompt": [11]}), 400, "out of range")
+    _error(client.post("/v1/completions", json={"prompt": [1] * 60, "max_tokens": 5}), 400,
+           "you requested 65 tokens (60 in the input, 5 in the completion)")  # fmt: skip
+    _error(client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400,
+           "no chat template")  # fmt: skip
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+    metrics = client.get("/metrics").text
+    assert 'pagedllm:num_requests_running{model_name="stub"} 2.0' in metrics
+    assert 'pagedllm:kv_cache_usage_perc{model_name="stub"} 0.25' in metrics
+
+    dead = TestClient(build_app(_stub_engine(alive=False), "stub"))
+    assert dead.get("/health").status_code == 503
+    _error(dead.post("/v1/completions", json={"prompt": [1]}), 503, "stopped")
+
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "k")
+    keyed = TestClient(build_app(_stub_engine(), "stub"))
+    _error(keyed.get("/v1/models"), 401, "API key")
+    _error(keyed.get("/v1/models", headers={"Authorization": "Bearer x"}), 401, "API key")
+    assert keyed.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert keyed.get("/health").status_code == 200
+
+
+def test_serve_flags(tmp_path):
+    ns = build_parser().parse_args(
+        ["serve", "my-model", "--port", "9001", "--api-key", "k", "--block-size", "8",
+         "--served-model-name", "m", "--chat-template", "{{ x }}"]
+    )  # fmt: skip
+    assert (ns.model_tag, ns.port, ns.host, ns.api_key, ns.served_model_name) == (
+        "my-model", 9001, "127.0.0.1", "k", "m"
+    )  # fmt: skip
+    assert engine_args_from(ns).block_size == 8
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert _chat_template_arg(str(path)) == "{{ messages }}"
+    assert _chat_template_arg("{{ inline }}") == "{{ inline }}"
+    assert _chat_template_arg(None) is None
