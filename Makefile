@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 PROMPT ?= Explain in two sentences why paging the KV cache helps an LLM server.
 
-.PHONY: setup generate chat test test-fast lint bench
+.PHONY: setup serve generate chat test test-fast lint bench
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The OpenAI-compatible server on http://127.0.0.1:8000 (Ctrl-C stops it).
+serve: setup
+	$(VENV)/bin/pagedllm serve $(SERVE_ARGS)
 
 generate: setup
 	$(VENV)/bin/pagedllm generate "$(PROMPT)"
