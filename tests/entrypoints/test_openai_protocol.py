@@ -2,6 +2,7 @@
 app's error shapes and API key on a stub engine, and the `serve` flags."""
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
@@ -12,7 +13,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from pagedllm.entrypoints.openai.serving import merge
 from pagedllm.entrypoints.openai.serving_chat import chat_logprobs
 from pagedllm.entrypoints.openai.serving_completion import completion_logprobs
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 def test_requests_map_to_sampling_params():
@@ -152,3 +153,61 @@ def test_serve_flags(tmp_path):
     assert _chat_template_arg(str(path)) == "{{ messages }}"
     assert _chat_template_arg("{{ inline }}") == "{{ inline }}"
     assert _chat_template_arg(None) is None
+
+
+def _fake_generate(texts):
+    """A stub engine's generate: one token per text piece, finished with "length"."""
+
+    async def generate(prompt, params, request_id, delta=False, cache_salt=None):
+        ids = prompt["prompt_token_ids"]
+        if any(t == 0 for t in ids):
+            raise ValueError("token 0 is not allowed here")
+        metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5,
+                                 first_token_time=2.0, finished_time=3.0)  # fmt: skip
+        for step in range(1, len(texts) + 1):
+            done = step == len(texts)
+            outputs = [
+                CompletionOutput(
+                    index=i,
+                    text=texts[step - 1] if delta else "".join(texts[:step]),
+                    token_ids=[step] if delta else list(range(1, step + 1)),
+                    cumulative_logprob=None,
+                    logprobs=None,
+                    finish_reason="length" if done else None,
+                )
+                for i in range(params.n)
+            ]
+            yield RequestOutput(request_id, None, ids, outputs, done, metrics)
+            await asyncio.sleep(0)
+
+    return generate
+
+
+def test_app_completions_streamed_and_not_and_request_metrics_on_a_stub_engine():
+    stub = _stub_engine()
+    stub.generate = _fake_generate(["Hel", "lo", "!"])
+    client = TestClient(build_app(stub, "stub"))
+    out = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "n": 2}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert {c["text"] for c in out["choices"]} == {"Hello!"}
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+
+    body = {"prompt": [1, 2], "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Hello!"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # Bad input the engine refuses on the first item: a 400 before the stream starts.
+    _error(client.post("/v1/completions", json={"prompt": [0], "stream": True}), 400, "token 0")
+    _error(client.post("/v1/completions", json={"prompt": [0]}), 400, "token 0")
+
+    metrics = client.get("/metrics").text
+    assert 'pagedllm:e2e_request_latency_seconds_count{model_name="stub"} 3.0' in metrics
+    assert 'pagedllm:time_to_first_token_seconds_sum{model_name="stub"} 3.0' in metrics
+    assert 'pagedllm:generation_tokens_total{model_name="stub"} 15.0' in metrics
+    assert 'pagedllm:prompt_tokens_total{model_name="stub"} 5.0' in metrics
+    assert 'request_success_total{finished_reason="length",model_name="stub"} 3.0' in metrics

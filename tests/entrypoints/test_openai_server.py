@@ -248,9 +248,21 @@ def test_32_concurrent_requests(client, server):
             ]
             return await asyncio.gather(*calls)
 
+    before = server.metrics()
     results = asyncio.run(main())
     assert len(results) == 32 and all(r.usage.completion_tokens > 0 for r in results)
-    assert server.wait_idle()["pagedllm:num_requests_running"] == 0
+    after = server.wait_idle()
+    assert after["pagedllm:num_requests_running"] == 0
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+
+    assert grew("pagedllm:e2e_request_latency_seconds_count") == 32
+    assert grew("pagedllm:time_to_first_token_seconds_count") == 32
+    assert grew("pagedllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in results)
+    assert grew("pagedllm:generation_tokens_total") == sum(
+        r.usage.completion_tokens for r in results
+    )
 
 
 def test_client_disconnect_aborts_the_request(server):

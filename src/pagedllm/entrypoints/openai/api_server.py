@@ -12,11 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,38 +29,6 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 
 logger = logging.getLogger("pagedllm")
 API_KEY_ENV = "PAGEDLLM_API_KEY"
-
-
-class EngineStatsCollector:
-    """Prometheus metrics read from `engine.get_stats()` at scrape time."""
-
-    def __init__(self, async_engine: AsyncLLMEngine, model_name: str) -> None:
-        self.async_engine = async_engine
-        self.model_name = model_name
-
-    def collect(self):
-        stats = self.async_engine.engine.get_stats()
-        labels = ["model_name"]
-        value = [self.model_name]
-        gauges = {
-            "num_requests_running": ("num_running", "Requests running now."),
-            "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
-            "num_requests_swapped": ("num_swapped", "Requests swapped out to CPU memory."),
-            "kv_cache_usage_perc": ("kv_cache_usage", "KV-cache usage (1 = full)."),
-        }
-        for name, (key, doc) in gauges.items():
-            metric = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-            metric.add_metric(value, float(stats[key]))
-            yield metric
-        counters = {
-            "num_preemptions": ("num_preemptions_total", "Preemptions so far."),
-            "prefix_cache_queries": ("prefix_cache_queries", "Blocks looked up in the cache."),
-            "prefix_cache_hits": ("prefix_cache_hits", "Blocks found in the prefix cache."),
-        }
-        for name, (key, doc) in counters.items():
-            metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-            metric.add_metric(value, float(stats[key]))
-            yield metric
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -87,10 +55,11 @@ def build_app(
 ) -> FastAPI:
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
-    completions = OpenAIServingCompletion(async_engine, served_model_name, chat_template)
-    chat = OpenAIServingChat(async_engine, served_model_name, chat_template)
     registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(async_engine, served_model_name))
+    registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
+    metrics = RequestMetrics(registry, served_model_name)
+    completions = OpenAIServingCompletion(async_engine, served_model_name, chat_template, metrics)
+    chat = OpenAIServingChat(async_engine, served_model_name, chat_template, metrics)
     app.state.async_engine = async_engine
 
     @app.exception_handler(OpenAIError)

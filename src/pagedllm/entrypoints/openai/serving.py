@@ -12,6 +12,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai.metrics import RequestMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -48,9 +49,14 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 class OpenAIServing:
     def __init__(
-        self, async_engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None
+        self,
+        async_engine: AsyncLLMEngine,
+        served_model_name: str,
+        chat_template: str | None,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.async_engine = async_engine
+        self.metrics = metrics
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
         self.served_model_name = served_model_name
@@ -106,10 +112,13 @@ class OpenAIServing:
         request_id: str,
         delta: bool,
     ) -> list[AsyncIterator[RequestOutput]]:
-        return [
+        gens = [
             self.async_engine.generate(prompt, params, f"{request_id}-{i}", delta=delta)
             for i, prompt in enumerate(prompts)
         ]
+        if self.metrics is not None:
+            gens = [self.metrics.observe(gen, delta) for gen in gens]
+        return gens
 
     async def final_outputs(self, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
         """The last (complete) output of each generator, in order."""

@@ -1,0 +1,102 @@
+"""Prometheus metrics: engine gauges read at scrape time, request histograms as requests end."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class EngineStatsCollector:
+    """Gauges and counters from `engine.get_stats()`, read at scrape time."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.engine.get_stats()
+        labels, value = ["model_name"], [self.model_name]
+        gauges = {
+            "num_requests_running": ("num_running", "Requests running now."),
+            "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+            "num_requests_swapped": ("num_swapped", "Requests swapped out to CPU memory."),
+            "kv_cache_usage_perc": ("kv_cache_usage", "KV-cache usage (1 = full)."),
+        }
+        for name, (key, doc) in gauges.items():
+            metric = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+            metric.add_metric(value, float(stats[key]))
+            yield metric
+        counters = {
+            "num_preemptions": ("num_preemptions_total", "Preemptions so far."),
+            "prefix_cache_queries": ("prefix_cache_queries", "Blocks looked up in the cache."),
+            "prefix_cache_hits": ("prefix_cache_hits", "Blocks found in the prefix cache."),
+        }
+        for name, (key, doc) in counters.items():
+            metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+            metric.add_metric(value, float(stats[key]))
+            yield metric
+
+
+class RequestMetrics:
+    """Per-request histograms and token counters, fed by the outputs the server streams."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str) -> Histogram:
+            metric = Histogram(
+                f"pagedllm:{name}", doc, labels, registry=registry, buckets=_LATENCY_BUCKETS
+            )
+            return metric.labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedllm:{name}", doc, labels, registry=registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the request's end.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that ended.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.success = Counter(
+            "pagedllm:request_success",
+            "Requests that ended, by (first output's) finish reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self.model_name = model_name
+
+    async def observe(
+        self, gen: AsyncIterator[RequestOutput], delta: bool
+    ) -> AsyncIterator[RequestOutput]:
+        """Pass `gen`'s outputs through, recording the request's metrics when it ends."""
+        generated = 0
+        try:
+            async for output in gen:
+                if delta or output.finished:
+                    generated += sum(len(c.token_ids) for c in output.outputs)
+                if output.finished:
+                    self._finished(output, generated)
+                yield output
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined] - aborts it if unfinished
+
+    def _finished(self, output: RequestOutput, generated: int) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(generated)
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        self.success.labels(self.model_name, reason or "abort").inc()
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
