@@ -229,6 +229,20 @@ def test_chat_streamed_equals_non_streamed_multi_turn_and_logprobs(client, token
     assert [c.index for c in two.choices] == [0, 1]
 
 
+def test_tokenize_and_detokenize(server, tokenizer):
+    url = server.url
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}).json()
+    assert ids == {"count": 5, "max_model_len": 512, "tokens": tokenizer.encode(PROMPT)}
+    chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()
+    text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert back == {"prompt": PROMPT}
+    _error(httpx.post(f"{url}/detokenize", json={"tokens": [-1]}), 400)
+    _error(httpx.post(f"{url}/tokenize", json={}), 400)
+    _error(httpx.post(f"{url}/tokenize", json={"prompt": "x", "model": "other"}), 404)
+
+
 def test_32_concurrent_requests(client, server):
     async def main():
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)

@@ -20,8 +20,12 @@ from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMet
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -122,6 +126,33 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        chat.check_model(body.model)
+        tokenizer = chat.tokenizer
+        if tokenizer is None:
+            raise OpenAIError("this model has no tokenizer")
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = chat.render(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=chat.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        chat.check_model(body.model)
+        if chat.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer")
+        vocab = async_engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(
+                f"token id {bad[0]} is out of range for a vocabulary of {vocab}", param="tokens"
+            )
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
 
     return app
 

@@ -122,6 +122,31 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
 # -- responses ------------------------------------------------------------------------------------
 class CompletionLogProbs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)

@@ -73,15 +73,19 @@ def _message_dict(message) -> dict:
 
 class OpenAIServingChat(OpenAIServing):
     def _prompt(self, body: ChatCompletionRequest) -> dict:
+        return self.render(body.messages, body.add_generation_prompt)
+
+    def render(self, messages, add_generation_prompt: bool) -> dict:
+        """Chat messages through the template -> {"prompt", "prompt_token_ids"}."""
         if self.tokenizer is None or (
             self.tokenizer.chat_template is None and self.chat_template is None
         ):
             raise OpenAIError("this model has no chat template: use /v1/completions")
-        messages = [_message_dict(m) for m in body.messages]
+        messages = [_message_dict(m) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
-                add_generation_prompt=body.add_generation_prompt,
+                add_generation_prompt=add_generation_prompt,
                 chat_template=self.chat_template,
             )
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
