@@ -135,3 +135,19 @@ def test_profile_run_leaves_the_kv_cache_alone(tiny):
     runner.profile_run(num_tokens=100, num_logits=8)
     assert runner.kv_caches is before
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_token_counters_count_prefill_and_sampled_tokens(tiny):
+    path, _ = tiny
+    llm = LLM(model=path, kv_cache_memory="8MiB", enable_prefix_caching=False,
+              max_num_batched_tokens=256)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_prompt_tokens_total"] == sum(len(p) for p in PROMPTS)
+    assert stats["num_generation_tokens_total"] == 6 * len(PROMPTS)
+    sampled = SamplingParams(n=3, temperature=1, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts[0], sampled, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_generation_tokens_total"] == 6 * len(PROMPTS) + 3 * 4

@@ -114,6 +114,10 @@ class LLMEngine:
             ),
         )
         self._num_preemptions_logged = 0
+        # Tokens run through the model: prompt tokens prefilled (again after a recompute), and
+        # tokens sampled; for throughput logs.
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
         self._states: dict[str, _RequestState] = {}
         self._request_counter = itertools.count()
 
@@ -311,7 +315,13 @@ class LLMEngine:
             metrics = self._states[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+            start = seq.num_computed_tokens
+            end = start + scheduler_output.num_scheduled_tokens[seq.seq_id]
+            self.num_prompt_tokens_total += max(0, min(end, seq.num_prompt_tokens) - start)
         runner_output = self.runner.execute_model(scheduler_output)
+        self.num_generation_tokens_total += sum(
+            len(ids) for ids in runner_output.sampled_token_ids.values()
+        ) + len(runner_output.beam_candidates)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
 
         now = time.time()
@@ -359,6 +369,8 @@ class LLMEngine:
             "swap_space_usage": 1 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_prompt_tokens_total": self.num_prompt_tokens_total,
+            "num_generation_tokens_total": self.num_generation_tokens_total,
             "num_copied_blocks": self.runner.num_copied_blocks,
             "num_swapped_out_blocks": self.runner.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.runner.num_swapped_in_blocks,
