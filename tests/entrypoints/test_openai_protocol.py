@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from pagedllm.entrypoints.cli import _chat_template_arg, build_parser, engine_args_from
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.metrics import stats_line
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.serving import merge
 from pagedllm.entrypoints.openai.serving_chat import chat_logprobs
@@ -211,3 +212,17 @@ def test_app_completions_streamed_and_not_and_request_metrics_on_a_stub_engine()
     assert 'pagedllm:generation_tokens_total{model_name="stub"} 15.0' in metrics
     assert 'pagedllm:prompt_tokens_total{model_name="stub"} 5.0' in metrics
     assert 'request_success_total{finished_reason="length",model_name="stub"} 3.0' in metrics
+
+
+def test_stats_line():
+    previous = {"num_prompt_tokens_total": 100, "num_generation_tokens_total": 50}
+    stats = {
+        "num_prompt_tokens_total": 300, "num_generation_tokens_total": 90, "num_running": 3,
+        "num_waiting": 1, "num_swapped": 0, "kv_cache_usage": 0.125,
+        "prefix_cache_queries": 8, "prefix_cache_hits": 2,
+    }  # fmt: skip
+    assert stats_line(previous, stats, 2.0) == (
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, Swapped: 0 reqs, KV cache usage: 12.5%, "
+        "Prefix cache hit rate: 25.0%"
+    )

@@ -83,11 +83,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
+    s = Server("--log-stats-interval", "1")
     yield s
     log = s.stop()
     assert s.proc.returncode == 0, log
     assert f"serving {MODEL} at {s.url}/v1" in log and "server stopped" in log
+    assert "Avg generation throughput:" in log and "KV cache usage:" in log
 
 
 @pytest.fixture(scope="module")

@@ -166,6 +166,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         port=ns.port,
         api_key=ns.api_key,
         chat_template=chat_template,
+        log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
     )
     return 0
 
@@ -200,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer key on /v1 (or $PAGEDLLM_API_KEY)")  # fmt: skip
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic throughput / queue / KV-cache log line")  # fmt: skip
+    serve.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between those lines (default: 10)")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -16,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics
+from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,9 +58,22 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     chat_template: str | None = None,
+    log_stats_interval: float | None = None,
 ) -> FastAPI:
+    """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines)."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = None
+        if log_stats_interval:
+            task = asyncio.create_task(log_stats(async_engine.engine, log_stats_interval))
+        yield
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
     metrics = RequestMetrics(registry, served_model_name)
@@ -164,9 +179,10 @@ def run_server(
     port: int = 8000,
     api_key: str | None = None,
     chat_template: str | None = None,
+    log_stats_interval: float | None = 10.0,
 ) -> None:
     """Serve until Ctrl-C or SIGTERM (uvicorn's handlers), then stop the engine loop."""
-    app = build_app(async_engine, served_model_name, api_key, chat_template)
+    app = build_app(async_engine, served_model_name, api_key, chat_template, log_stats_interval)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -9,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedllm.outputs import RequestOutput
 
+logger = logging.getLogger("pagedllm")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
@@ -100,3 +104,32 @@ class RequestMetrics:
             self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+
+def stats_line(previous: dict, stats: dict, seconds: float) -> str:
+    """vLLM's periodic log line: throughput since the last one, queue sizes, cache use."""
+    prompt = (stats["num_prompt_tokens_total"] - previous["num_prompt_tokens_total"]) / seconds
+    generation = (
+        stats["num_generation_tokens_total"] - previous["num_generation_tokens_total"]
+    ) / seconds
+    queries = stats["prefix_cache_queries"]
+    hit_rate = stats["prefix_cache_hits"] / queries if queries else 0.0
+    return (
+        f"Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: "
+        f"{generation:.1f} tokens/s, Running: {stats['num_running']} reqs, Waiting: "
+        f"{stats['num_waiting']} reqs, Swapped: {stats['num_swapped']} reqs, KV cache usage: "
+        f"{100 * stats['kv_cache_usage']:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%"
+    )
+
+
+async def log_stats(engine, interval: float) -> None:
+    """Every `interval` seconds while there is work (or was since the last line), log it."""
+    previous, then = engine.get_stats(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        stats, now = engine.get_stats(), time.monotonic()
+        keys = ("num_prompt_tokens_total", "num_generation_tokens_total")
+        busy = stats["num_running"] or stats["num_waiting"] or stats["num_swapped"]
+        if busy or any(stats[k] != previous[k] for k in keys):
+            logger.info("%s", stats_line(previous, stats, now - then))
+        previous, then = stats, now
