@@ -226,3 +226,14 @@ def test_stats_line():
         "Running: 3 reqs, Waiting: 1 reqs, Swapped: 0 reqs, KV cache usage: 12.5%, "
         "Prefix cache hit rate: 25.0%"
     )
+
+
+def test_waiting_queue_bound_refuses_with_503():
+    stub = _stub_engine()  # one request waiting
+    stub.generate = _fake_generate(["a"])
+    client = TestClient(build_app(stub, "stub", max_waiting_requests=2))
+    assert client.post("/v1/completions", json={"prompt": [1]}).status_code == 200
+    _error(client.post("/v1/completions", json={"prompt": [[1], [2]]}), 503, "overloaded")
+    full = TestClient(build_app(stub, "stub", max_waiting_requests=1))
+    response = full.post("/v1/completions", json={"prompt": [1]})
+    _error(response, 503, "1 requests are waiting (at most 1")

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -373,6 +374,7 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 def test_api_key_served_model_name_and_chat_template(tokenizer):
     server = Server(
         "--served-model-name", "smol", "--chat-template", TEMPLATE,
+        "--max-num-seqs", "1", "--max-waiting-requests", "1",
         env={"PAGEDLLM_API_KEY": "sekrit"},
     )  # fmt: skip
     try:
@@ -390,6 +392,25 @@ def test_api_key_served_model_name_and_chat_template(tokenizer):
         assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+        _check_waiting_queue_bound(server, client)
     finally:
         server.stop()
     assert server.proc.returncode == 0
+
+
+def _check_waiting_queue_bound(server, client):
+    """One sequence at a time, one request may wait: a third gets 503, then all is well."""
+    long = dict(model="smol", prompt=PROMPT, max_tokens=300, extra_body={"ignore_eos": True})
+    with client.completions.create(stream=True, **long) as running:
+        next(iter(running))
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.completions.create, **{**long, "max_tokens": 4})
+            deadline = time.time() + 10
+            while server.metrics()["pagedllm:num_requests_waiting"] < 1 < deadline - time.time():
+                time.sleep(0.05)
+            with pytest.raises(openai.InternalServerError) as refused:
+                client.completions.create(**{**long, "max_tokens": 4})
+            assert refused.value.status_code == 503 and "overloaded" in str(refused.value)
+            running.close()
+            assert waiting.result(timeout=30).choices[0].text
+    assert client.completions.create(**{**long, "max_tokens": 4}).choices[0].text

@@ -167,6 +167,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key,
         chat_template=chat_template,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
+        max_waiting_requests=ns.max_waiting_requests,
     )
     return 0
 
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer key on /v1 (or $PAGEDLLM_API_KEY)")  # fmt: skip
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="refuse requests with 503 while this many wait to be scheduled "
+                            "(default: no bound)")  # fmt: skip
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic throughput / queue / KV-cache log line")  # fmt: skip
     serve.add_argument("--log-stats-interval", type=float, default=10.0,

@@ -59,8 +59,10 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     log_stats_interval: float | None = None,
+    max_waiting_requests: int | None = None,
 ) -> FastAPI:
-    """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines)."""
+    """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines);
+    `max_waiting_requests`: a request that would queue more is refused with 503."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
 
     @contextlib.asynccontextmanager
@@ -77,8 +79,9 @@ def build_app(
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
     metrics = RequestMetrics(registry, served_model_name)
-    completions = OpenAIServingCompletion(async_engine, served_model_name, chat_template, metrics)
-    chat = OpenAIServingChat(async_engine, served_model_name, chat_template, metrics)
+    serving = (async_engine, served_model_name, chat_template, metrics, max_waiting_requests)
+    completions = OpenAIServingCompletion(*serving)
+    chat = OpenAIServingChat(*serving)
     app.state.async_engine = async_engine
 
     @app.exception_handler(OpenAIError)
@@ -180,9 +183,17 @@ def run_server(
     api_key: str | None = None,
     chat_template: str | None = None,
     log_stats_interval: float | None = 10.0,
+    max_waiting_requests: int | None = None,
 ) -> None:
     """Serve until Ctrl-C or SIGTERM (uvicorn's handlers), then stop the engine loop."""
-    app = build_app(async_engine, served_model_name, api_key, chat_template, log_stats_interval)
+    app = build_app(
+        async_engine,
+        served_model_name,
+        api_key,
+        chat_template,
+        log_stats_interval,
+        max_waiting_requests,
+    )
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
     )

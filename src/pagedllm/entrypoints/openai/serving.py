@@ -54,9 +54,11 @@ class OpenAIServing:
         served_model_name: str,
         chat_template: str | None,
         metrics: RequestMetrics | None = None,
+        max_waiting_requests: int | None = None,
     ) -> None:
         self.async_engine = async_engine
         self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
         self.served_model_name = served_model_name
@@ -72,6 +74,19 @@ class OpenAIServing:
             self.async_engine.check_health()
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503) from None
+
+    def check_queue(self, num_new: int) -> None:
+        """503 (retry later) when the engine's waiting queue is full."""
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        waiting = self.engine.get_stats()["num_waiting"]
+        if waiting + num_new > limit:
+            raise OpenAIError(
+                f"the server is overloaded: {waiting} requests are waiting (at most {limit}, "
+                f"this request adds {num_new}); retry later",
+                503,
+            )
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """vLLM's context-length errors: the prompt plus max_tokens must fit max_model_len."""
@@ -112,6 +127,7 @@ class OpenAIServing:
         request_id: str,
         delta: bool,
     ) -> list[AsyncIterator[RequestOutput]]:
+        self.check_queue(len(prompts))
         gens = [
             self.async_engine.generate(prompt, params, f"{request_id}-{i}", delta=delta)
             for i, prompt in enumerate(prompts)
