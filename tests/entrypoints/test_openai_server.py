@@ -374,7 +374,7 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 def test_api_key_served_model_name_and_chat_template(tokenizer):
     server = Server(
         "--served-model-name", "smol", "--chat-template", TEMPLATE,
-        "--max-num-seqs", "1", "--max-waiting-requests", "1",
+        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--graceful-shutdown-timeout", "1",
         env={"PAGEDLLM_API_KEY": "sekrit"},
     )  # fmt: skip
     try:
@@ -393,9 +393,28 @@ def test_api_key_served_model_name_and_chat_template(tokenizer):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
         _check_waiting_queue_bound(server, client)
+        # SIGTERM with a stream open: it gets a second, then ends with an error event.
+        response = httpx.Client(timeout=30).send(
+            httpx.Request(
+                "POST",
+                f"{server.url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+                headers={"Authorization": "Bearer sekrit"},
+            ),
+            stream=True,
+        )
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
     finally:
-        server.stop()
-    assert server.proc.returncode == 0
+        log = server.stop()
+    assert server.proc.returncode == 0, log
+    rest = [line for line in lines if line]
+    assert rest[-2:] == [
+        'data: {"error": {"message": "the server is shutting down", "type": '
+        '"ServiceUnavailableError", "param": null, "code": 503}}',
+        "data: [DONE]",
+    ]
+    assert "stopping the requests still running after 1 s" in log
 
 
 def _check_waiting_queue_bound(server, client):

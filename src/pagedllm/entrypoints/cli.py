@@ -168,6 +168,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         chat_template=chat_template,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
         max_waiting_requests=ns.max_waiting_requests,
+        grace=ns.graceful_shutdown_timeout,
     )
     return 0
 
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="refuse requests with 503 while this many wait to be scheduled "
                             "(default: no bound)")  # fmt: skip
+    serve.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                       help="on Ctrl-C / SIGTERM, seconds running requests get to finish before "
+                            "the engine stops (default: 5)")  # fmt: skip
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic throughput / queue / KV-cache log line")  # fmt: skip
     serve.add_argument("--log-stats-interval", type=float, default=10.0,

@@ -175,6 +175,29 @@ def build_app(
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown gives running requests `grace` seconds, then stops the
+    engine: open streams end with an error event and [DONE], waiting requests get a 503, so
+    every connection closes cleanly instead of being cancelled mid-response."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine, grace: float):
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        async def stop_engine_later() -> None:
+            await asyncio.sleep(self.grace)
+            logger.info("stopping the requests still running after %.0f s", self.grace)
+            await asyncio.to_thread(self.async_engine.shutdown)
+
+        stopper = asyncio.create_task(stop_engine_later())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            stopper.cancel()
+
+
 def run_server(
     async_engine: AsyncLLMEngine,
     served_model_name: str,
@@ -184,8 +207,10 @@ def run_server(
     chat_template: str | None = None,
     log_stats_interval: float | None = 10.0,
     max_waiting_requests: int | None = None,
+    grace: float = 5.0,
 ) -> None:
-    """Serve until Ctrl-C or SIGTERM (uvicorn's handlers), then stop the engine loop."""
+    """Serve until Ctrl-C or SIGTERM (uvicorn's handlers): running requests get `grace`
+    seconds to finish, then the engine loop stops."""
     app = build_app(
         async_engine,
         served_model_name,
@@ -194,10 +219,11 @@ def run_server(
         log_stats_interval,
         max_waiting_requests,
     )
+    # uvicorn cancels what still runs 5 s after the engine stopped (a backstop).
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace + 5
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, async_engine, grace)
 
     def _exit(signum, frame):
         raise SystemExit(0)
