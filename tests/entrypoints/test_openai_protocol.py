@@ -5,8 +5,10 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import pytest
 from fastapi.testclient import TestClient
 
+from pagedllm.benchmarks.serve import RequestResult, format_summary, summarize
 from pagedllm.entrypoints.cli import _chat_template_arg, build_parser, engine_args_from
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import stats_line
@@ -237,3 +239,20 @@ def test_waiting_queue_bound_refuses_with_503():
     full = TestClient(build_app(stub, "stub", max_waiting_requests=1))
     response = full.post("/v1/completions", json={"prompt": [1]})
     _error(response, 503, "1 requests are waiting (at most 1")
+
+
+def test_bench_serve_summary():
+    results = [
+        RequestResult(prompt_len=10, output_len=5, ttft=0.1, latency=0.5, itl=[0.1] * 4),
+        RequestResult(prompt_len=20, output_len=3, ttft=0.3, latency=0.7, itl=[0.2, 0.2]),
+        RequestResult(prompt_len=7, error="HTTP 400"),
+    ]
+    s = summarize(results, duration=2.0)
+    assert (s["completed"], s["failed"], s["total_input_tokens"], s["total_output_tokens"]) == (
+        2, 1, 30, 8
+    )  # fmt: skip
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 4.0
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_e2el_ms"] == pytest.approx(600)
+    assert s["mean_tpot_ms"] == pytest.approx(150)  # (0.4 / 4 + 0.4 / 2) / 2
+    assert s["mean_itl_ms"] == pytest.approx(800 / 6) and s["errors"] == ["HTTP 400"]
+    assert "Mean TPOT (ms):" in format_summary(s)

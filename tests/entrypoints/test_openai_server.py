@@ -1,6 +1,7 @@
 """`pagedllm serve` as a real subprocess on loopback, driven by the `openai` client and httpx."""
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -307,6 +308,21 @@ def test_client_disconnect_aborts_the_request(server):
         assert http.get(f"{server.url}/health").status_code == 200
         after = http.post(f"{server.url}/v1/completions", json={"prompt": PROMPT})
         assert after.status_code == 200 and after.json()["choices"][0]["text"]
+
+
+def test_bench_serve(server, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [*PAGEDLLM, "bench", "serve", "--base-url", server.url, "--num-prompts", "6",
+         "--scale", "0.1", "--request-rate", "20", "--max-concurrency", "4",
+         "--result-json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Successful requests:" in result.stdout and "Mean TTFT (ms):" in result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] > 6 and summary["mean_ttft_ms"] > 0
 
 
 def _error(response, status):

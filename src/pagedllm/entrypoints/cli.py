@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks import preemption, prefix_caching, sharing, throughput
+    from pagedllm.benchmarks import serve as serve_bench
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on a sharegpt-like workload")
     add_engine_args(tp)
@@ -249,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(pe)
     preemption.add_cli_args(pe)
     pe.set_defaults(func=lambda ns: preemption.main(ns, engine_args_from(ns)))
+
+    bs = bench_sub.add_parser(
+        "serve", help="online: a Poisson stream of requests against a running pagedllm serve"
+    )
+    serve_bench.add_cli_args(bs)
+    bs.set_defaults(func=serve_bench.main)
     return parser
 
 
