@@ -232,6 +232,39 @@ def test_chat_streamed_equals_non_streamed_multi_turn_and_logprobs(client, token
     assert [c.index for c in two.choices] == [0, 1]
 
 
+def test_streams_of_n_echo_logprobs_and_beam_search(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0.9, seed=1, n=2)
+    full = client.chat.completions.create(**kwargs)
+    streamed, roles = {0: "", 1: ""}, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            roles += [c.index] if c.delta.role else []
+            streamed[c.index] += c.delta.content or ""
+    assert roles == [0, 1]
+    assert [streamed[0], streamed[1]] == [c.message.content for c in full.choices]
+
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    full = client.completions.create(**kwargs).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == (
+        full
+    )
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    tokens, offsets, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens
+            offsets += c.logprobs.text_offset
+    assert "".join(tokens) == text and offsets == [len("".join(tokens[:i])) for i in range(6)]
+
+    beam = dict(use_beam_search=True, length_penalty=1.0)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, best_of=3, extra_body=beam)
+    out = client.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text != out.choices[1].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert sorted(c.choices[0].text for c in chunks) == sorted(c.text for c in out.choices)
+
+
 def test_tokenize_and_detokenize(server, tokenizer):
     url = server.url
     ids = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}).json()
