@@ -113,7 +113,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(body.model)
         self.check_health()
         num_logprobs = self._num_logprobs(body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
         params = self.make_params(body.sampling_params, max_tokens, num_logprobs)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
