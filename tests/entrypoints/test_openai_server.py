@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,10 +42,14 @@ class Server:
             text=True,
             env={**os.environ, **(env or {})},
         )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited:\n{self.proc.stdout.read()}")
+                self.reader.join(5)
+                raise RuntimeError(f"the server exited:\n{self.log}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -54,15 +59,24 @@ class Server:
         self.stop()
         raise RuntimeError("the server did not come up in 120 s")
 
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
     def stop(self) -> str:
         """SIGTERM, as a service manager would; returns the server's log."""
         self.proc.terminate()
         try:
-            out, _ = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out
+            self.proc.wait()
+        self.reader.join(5)
+        return self.log
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
@@ -90,7 +104,6 @@ def server():
     log = s.stop()
     assert s.proc.returncode == 0, log
     assert f"serving {MODEL} at {s.url}/v1" in log and "server stopped" in log
-    assert "Avg generation throughput:" in log and "KV cache usage:" in log
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +114,15 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(resolve_model(None))
+
+
+def test_stats_log_line(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+    deadline = time.time() + 5  # the fixture's server logs every second while busy
+    while "Avg generation throughput:" not in server.log and time.time() < deadline:
+        time.sleep(0.1)
+    line = next(x for x in server.lines if "Avg generation throughput:" in x)
+    assert "Running:" in line and "KV cache usage:" in line and "Prefix cache hit rate:" in line
 
 
 def test_models_health_version(server, client):
