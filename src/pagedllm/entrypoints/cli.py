@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="the model (as --model; default: SmolLM2-135M-Instruct)")  # fmt: skip
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model's name in the API (default: MODEL)")  # fmt: skip
     serve.add_argument("--api-key", default=None,
