@@ -239,6 +239,7 @@ def test_waiting_queue_bound_refuses_with_503():
     full = TestClient(build_app(stub, "stub", max_waiting_requests=1))
     response = full.post("/v1/completions", json={"prompt": [1]})
     _error(response, 503, "1 requests are waiting (at most 1")
+    assert response.headers["retry-after"] == "1"
 
 
 def test_bench_serve_summary():

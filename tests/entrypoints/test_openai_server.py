@@ -331,6 +331,10 @@ def test_32_concurrent_requests(client, server):
 
     assert grew("pagedllm:e2e_request_latency_seconds_count") == 32
     assert grew("pagedllm:time_to_first_token_seconds_count") == 32
+    # One output per generated token (n = 1): one gap fewer than tokens, per request.
+    assert grew("pagedllm:inter_token_latency_seconds_count") == sum(
+        r.usage.completion_tokens - 1 for r in results
+    )
     assert grew("pagedllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in results)
     assert grew("pagedllm:generation_tokens_total") == sum(
         r.usage.completion_tokens for r in results
@@ -449,7 +453,7 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 def test_api_key_served_model_name_and_chat_template(tokenizer):
     server = Server(
         "--served-model-name", "smol", "--chat-template", TEMPLATE,
-        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--graceful-shutdown-timeout", "1",
+        "--max-num-seqs", "1", "--max-num-queued-reqs", "1", "--graceful-shutdown-timeout", "1",
         env={"PAGEDLLM_API_KEY": "sekrit"},
     )  # fmt: skip
     try:

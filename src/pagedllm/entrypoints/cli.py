@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer key on /v1 (or $PAGEDLLM_API_KEY)")  # fmt: skip
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip
-    serve.add_argument("--max-waiting-requests", type=int, default=None,
+    serve.add_argument("--max-num-queued-reqs", "--max-waiting-requests", type=int, default=None,
+                       dest="max_waiting_requests",
                        help="refuse requests with 503 while this many wait to be scheduled "
                             "(default: no bound)")  # fmt: skip
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,

@@ -86,7 +86,9 @@ def build_app(
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # 503 is "overloaded or stopping": tell clients when to try again.
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):

@@ -65,6 +65,9 @@ class RequestMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the request's end.")
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between two outputs of a running request."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that ended.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = Counter(
@@ -80,8 +83,13 @@ class RequestMetrics:
     ) -> AsyncIterator[RequestOutput]:
         """Pass `gen`'s outputs through, recording the request's metrics when it ends."""
         generated = 0
+        last = None
         try:
             async for output in gen:
+                now = time.monotonic()
+                if last is not None:
+                    self.itl.observe(now - last)
+                last = now
                 if delta or output.finished:
                     generated += sum(len(c.token_ids) for c in output.outputs)
                 if output.finished:
