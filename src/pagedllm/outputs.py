@@ -36,6 +36,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Beam search: each beam's best next tokens and their logprobs, best first.
     beam_candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # prompt_logprobs: (position, record of the prompt token at that position) for the prompt
+    # positions this step computed (position 0 has none: nothing precedes it).
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass

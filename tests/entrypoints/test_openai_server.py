@@ -287,6 +287,33 @@ def test_streams_of_n_echo_logprobs_and_beam_search(client):
     assert sorted(c.choices[0].text for c in chunks) == sorted(c.text for c in out.choices)
 
 
+def test_echo_with_logprobs_scores_the_prompt_too(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    echoed = client.completions.create(echo=True, **kwargs).choices[0]
+    lp = echoed.logprobs
+    n = len(ids)
+    assert len(lp.tokens) == n + len(plain.tokens)
+    # The first prompt token has nothing before it; every other token has a logprob.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    # The completion's part is what the same request without echo reports, offset by the prompt.
+    assert lp.tokens[n:] == plain.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(plain.token_logprobs, abs=1e-4)
+    assert lp.text_offset[n:] == [o + len(PROMPT) for o in plain.text_offset]
+    assert lp.text_offset[:n] == [len("".join(lp.tokens[:i])) for i in range(n)]
+    streamed_tokens, streamed_lps = [], []
+    for chunk in client.completions.create(echo=True, stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed_tokens += c.logprobs.tokens
+            streamed_lps += c.logprobs.token_logprobs
+    assert streamed_tokens == lp.tokens
+    assert streamed_lps[0] is None
+    assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
 def test_tokenize_and_detokenize(server, tokenizer):
     url = server.url
     ids = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}).json()

@@ -115,8 +115,8 @@ class KVCacheManager:
         """The longest run of the request's leading full blocks that are cached, and the number of
         tokens they hold. At least the last token is always left to compute (its logits are
         needed), so a hit covering all tokens on a block boundary gives up its last block."""
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []

@@ -46,6 +46,8 @@ class _RequestState:
     detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_sent: dict[str, int] = field(default_factory=dict)  # tokens already output (delta)
+    # prompt_logprobs by prompt position (a recomputed prompt overwrites the same values).
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -323,6 +325,13 @@ class LLMEngine:
             len(ids) for ids in runner_output.sampled_token_ids.values()
         ) + len(runner_output.beam_candidates)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.prompt_logprobs:
+            request_ids = {s.seq_id: s.request_id for s in scheduler_output.scheduled_requests}
+            for seq_id, records in runner_output.prompt_logprobs.items():
+                state = self._states.get(request_ids[seq_id])
+                if state is not None:
+                    for position, record in records:
+                        state.prompt_logprobs[position] = self._logprob_dict(record)
 
         now = time.time()
         outputs = []
@@ -440,6 +449,11 @@ class LLMEngine:
                 seqs = [s for s in seqs if s.num_output_tokens > state.num_sent.get(s.seq_id, 0)]
             completions = [self._completion(state, s, s.sample_index, finished) for s in seqs]
         first = group.first
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            # vLLM's shape: None for the first prompt token, then one dict per prompt token.
+            positions = range(1, first.num_prompt_tokens)
+            prompt_logprobs = [None, *(state.prompt_logprobs.get(p) for p in positions)]
         return RequestOutput(
             request_id=group.request_id,
             prompt=first.prompt,
@@ -447,6 +461,7 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _completion(

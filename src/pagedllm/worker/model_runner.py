@@ -13,7 +13,7 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, beam_candidates
+from pagedllm.sample.sampler import Sampler, beam_candidates, gather_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +162,11 @@ class ModelRunner:
             return ModelRunnerOutput({})
         input_ids, positions, meta, sample_reqs, logits_indices = self._prepare_inputs(so)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sample_reqs:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         output = ModelRunnerOutput({})
+        self._prompt_logprobs(so, hidden, output)
+        if not sample_reqs:
+            return output
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         beam_rows = [i for i, r in enumerate(sample_reqs) if r.group.is_beam_search]
         if beam_rows:
             self._beam_candidates(logits, [sample_reqs[i] for i in beam_rows], beam_rows, output)
@@ -184,6 +185,39 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, device=self.device)]  # and fork rows in can tie
         self._sample(logits, row_reqs, sample_indices, output)
         return output
+
+    def _prompt_logprobs(
+        self, so: SchedulerOutput, hidden: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
+        """For requests asking prompt_logprobs: the raw logprob, rank and top-k of every prompt
+        token this step can score (the logits at position p score the prompt token at p + 1;
+        chunk ends are scored too, since the whole prompt is known)."""
+        start = 0
+        rows, targets, owners = [], [], []
+        for r in so.scheduled_requests:
+            n = so.num_scheduled_tokens[r.seq_id]
+            if r.sampling_params.prompt_logprobs is not None:
+                first, end = (
+                    r.num_computed_tokens,
+                    min(r.num_computed_tokens + n, r.num_prompt_tokens - 1),
+                )
+                for p in range(first, end):
+                    rows.append(start + p - first)
+                    targets.append(r.prompt_token_ids[p + 1])
+                    owners.append((r, p + 1))
+            start += n
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        k = max(r.sampling_params.prompt_logprobs for r, _ in owners)
+        ids, lps, ranks = gather_logprobs(logprobs, k, torch.tensor(targets, device=self.device))
+        ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
+        for row, (r, position) in enumerate(owners):
+            kr = r.sampling_params.prompt_logprobs
+            top = list(zip(ids[row][1 : kr + 1], lps[row][1 : kr + 1], strict=True))
+            record = TokenLogprobs(ids[row][0], lps[row][0], ranks[row], top)
+            output.prompt_logprobs.setdefault(r.seq_id, []).append((position, record))
 
     def _sample(
         self,

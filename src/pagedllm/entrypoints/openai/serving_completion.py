@@ -48,6 +48,28 @@ def completion_logprobs(
     return result
 
 
+def echo_logprobs(
+    prompt_token_ids: list[int],
+    prompt_logprobs: list[dict[int, Logprob] | None],
+    num_top: int,
+    decode,
+) -> CompletionLogProbs:
+    """The prompt's part of `echo` with `logprobs`: the first token has no logprob (nothing
+    precedes it), as in OpenAI's and vLLM's answers; offsets start at 0."""
+    first = CompletionLogProbs(
+        tokens=[decode(prompt_token_ids[0])],
+        token_logprobs=[None],
+        top_logprobs=[None],
+        text_offset=[0],
+    )
+    rest = completion_logprobs(
+        prompt_token_ids[1:], prompt_logprobs[1:], num_top, len(first.tokens[0])
+    )
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(first, name).extend(getattr(rest, name))
+    return first
+
+
 class OpenAIServingCompletion(OpenAIServing):
     def _prompts(self, prompt) -> list[dict]:
         """A string, a list of strings, token ids, or a list of token-id lists -> engine prompts."""
@@ -86,12 +108,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_health()
         if body.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(
-                "echo with logprobs is not supported (prompt logprobs are not computed yet)",
-                param="echo",
-            )
         params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs  # the echoed prompt gets logprobs too
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
         prompts = self._prompts(body.prompt)
@@ -114,10 +133,24 @@ class OpenAIServingCompletion(OpenAIServing):
             return JSONResponse({}, status_code=499)
         return self._response(body, request_id, prompts, finals)
 
-    def _choice_logprobs(self, body, c: CompletionOutput, offset: int):
+    def _choice_logprobs(self, body, c: CompletionOutput, offset: int, echoed=None):
+        """`echoed`: the RequestOutput whose prompt is echoed in front of this text, if any."""
         if body.logprobs is None or c.logprobs is None:
             return None
-        return completion_logprobs(c.token_ids, c.logprobs, body.logprobs, offset)
+        result = completion_logprobs(c.token_ids, c.logprobs, body.logprobs, offset)
+        if echoed is None or echoed.prompt_logprobs is None:
+            return result
+        prompt = echo_logprobs(
+            echoed.prompt_token_ids, echoed.prompt_logprobs, body.logprobs, self._decode_token
+        )
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(prompt, name).extend(getattr(result, name))
+        return prompt
+
+    def _decode_token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _response(
         self, body: CompletionRequest, request_id: str, prompts, finals: list[RequestOutput]
@@ -133,7 +166,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     CompletionChoice(
                         index=i * body.n + c.index,
                         text=echo + c.text,
-                        logprobs=self._choice_logprobs(body, c, len(echo)),
+                        logprobs=self._choice_logprobs(
+                            body, c, len(echo), final if body.echo else None
+                        ),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                     )
@@ -164,10 +199,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 for c in output.outputs:
                     index = i * body.n + c.index
                     text = c.text
+                    echoed = None
                     if index not in offsets:
                         offsets[index] = 0
                         if body.echo:
                             text = self._prompt_text(prompts[i]) + text
+                            echoed = output
                     usage.completion_tokens += len(c.token_ids)
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue
@@ -175,7 +212,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice = CompletionChoice(
                         index=index,
                         text=text,
-                        logprobs=self._choice_logprobs(body, c, offset),
+                        logprobs=self._choice_logprobs(body, c, offset, echoed),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                     )
