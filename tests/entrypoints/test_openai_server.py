@@ -499,6 +499,7 @@ def test_api_key_served_model_name_and_chat_template(tokenizer):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
         _check_waiting_queue_bound(server, client)
+        _check_disconnect_while_queued(server, client)
         # SIGTERM with a stream open: it gets a second, then ends with an error event.
         response = httpx.Client(timeout=30).send(
             httpx.Request(
@@ -539,3 +540,30 @@ def _check_waiting_queue_bound(server, client):
             running.close()
             assert waiting.result(timeout=30).choices[0].text
     assert client.completions.create(**{**long, "max_tokens": 4}).choices[0].text
+
+
+def _check_disconnect_while_queued(server, client):
+    """A streaming client queued behind a long request leaves before its first token: its
+    request is aborted at once, not when that token would have come."""
+    long = dict(model="smol", prompt=PROMPT, max_tokens=300, extra_body={"ignore_eos": True})
+    with client.completions.create(stream=True, **long) as running:
+        next(iter(running))
+        # The server answers a stream's headers with its first token, so a raw socket it is.
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4, "stream": True}).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer sekrit\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + body)
+            deadline = time.time() + 10
+            while server.metrics()["pagedllm:num_requests_waiting"] < 1 < deadline - time.time():
+                time.sleep(0.05)
+            assert server.metrics()["pagedllm:num_requests_waiting"] == 1
+        deadline = time.time() + 5
+        while server.metrics()["pagedllm:num_requests_waiting"] > 0 and time.time() < deadline:
+            time.sleep(0.05)
+        m = server.metrics()
+        assert m["pagedllm:num_requests_waiting"] == 0  # aborted while still queued
+        assert m["pagedllm:num_requests_running"] == 1  # the long request runs on

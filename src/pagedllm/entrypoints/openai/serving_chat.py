@@ -124,7 +124,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         gens = self.generators([prompt], params, request_id, delta=body.stream)
         if body.stream:
-            stream = await self.first_and_rest(gens)
+            # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
+            stream = await unless_disconnected(raw, self.first_and_rest(gens))
+            if stream is None:
+                return JSONResponse({}, status_code=499)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return DisconnectAwareStream(
                 self._stream(body, request_id, stream, include_usage),

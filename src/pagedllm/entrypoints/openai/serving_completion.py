@@ -119,7 +119,10 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         gens = self.generators(prompts, params, request_id, delta=body.stream)
         if body.stream:
-            stream = await self.first_and_rest(gens)
+            # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
+            stream = await unless_disconnected(raw, self.first_and_rest(gens))
+            if stream is None:
+                return JSONResponse({}, status_code=499)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return DisconnectAwareStream(
                 self._stream(body, request_id, prompts, stream, include_usage),
