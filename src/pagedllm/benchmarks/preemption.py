@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.benchmarks.sharing import int_list
 from pagedllm.benchmarks.throughput import (
     cpu_counters,
     greedy_agreement,
@@ -84,18 +85,6 @@ _OVERRIDDEN = (
 
 
 # -- command line -------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def _fraction_list(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -128,7 +117,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--block-sizes",
-        type=_int_list,
+        type=int_list,
         default=list(DEFAULT_BLOCK_SIZES),
         help="recovery: block sizes (default: 1,2,4,8,16,32,64,128); the throughput part uses "
         "--block-size",
@@ -136,7 +125,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--context-lens",
         "--context-len",
-        type=_int_list,
+        type=int_list,
         default=list(DEFAULT_CONTEXT_LENS),
         help="recovery: tokens (prompt + generated) of the preempted group (default: 256,1024)",
     )

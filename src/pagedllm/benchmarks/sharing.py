@@ -52,7 +52,8 @@ PAPER_SETUP = (
 )
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (an empty list skips that part)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -98,14 +99,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--parallel-n",
-        type=_int_list,
+        type=int_list,
         default=[2, 4, 6],
         help="parallel sampling: the numbers of samples per request (default: 2,4,6); "
         "n=1 always runs first as a sanity check",
     )
     group.add_argument(
         "--beam-widths",
-        type=_int_list,
+        type=int_list,
         default=[2, 4, 6],
         help="beam search widths (default: 2,4,6; an empty string skips beam search)",
     )

@@ -222,35 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import preemption, prefix_caching, sharing, throughput
     from pagedllm.benchmarks import serve as serve_bench
 
-    tp = bench_sub.add_parser("throughput", help="offline throughput on a sharegpt-like workload")
-    add_engine_args(tp)
-    throughput.add_cli_args(tp)
-    tp.set_defaults(func=lambda ns: throughput.main(ns, engine_args_from(ns)))
-
-    pc = bench_sub.add_parser(
-        "prefix-caching", help="a shared-prefix workload with prefix caching off and on"
-    )
-    add_engine_args(pc)
-    prefix_caching.add_cli_args(pc)
-    pc.set_defaults(func=lambda ns: prefix_caching.main(ns, engine_args_from(ns)))
-
-    sh = bench_sub.add_parser(
-        "sharing",
-        help="KV memory saved by sharing blocks in parallel sampling and beam search "
-        "(prefix caching forced off)",
-    )
-    add_engine_args(sh)
-    sharing.add_cli_args(sh)
-    sh.set_defaults(func=lambda ns: sharing.main(ns, engine_args_from(ns)))
-
-    pe = bench_sub.add_parser(
-        "preemption",
-        help="preemption by swap vs recompute: recovery time by block size, and throughput as "
-        "the KV pool shrinks",
-    )
-    add_engine_args(pe)
-    preemption.add_cli_args(pe)
-    pe.set_defaults(func=lambda ns: preemption.main(ns, engine_args_from(ns)))
+    # Offline benchmarks: each takes every engine flag plus its own.
+    for name, module, help_ in (
+        ("throughput", throughput, "offline throughput on a sharegpt-like workload"),
+        ("prefix-caching", prefix_caching,
+         "a shared-prefix workload with prefix caching off and on"),
+        ("sharing", sharing, "KV memory saved by sharing blocks in parallel sampling and beam "
+         "search (prefix caching forced off)"),
+        ("preemption", preemption, "preemption by swap vs recompute: recovery time by block "
+         "size, and throughput as the KV pool shrinks"),
+    ):  # fmt: skip
+        bench_parser = bench_sub.add_parser(name, help=help_)
+        add_engine_args(bench_parser)
+        module.add_cli_args(bench_parser)
+        bench_parser.set_defaults(
+            func=lambda ns, module=module: module.main(ns, engine_args_from(ns))
+        )
 
     bs = bench_sub.add_parser(
         "serve", help="online: a Poisson stream of requests against a running pagedllm serve"
