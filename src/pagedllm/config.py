@@ -29,6 +29,19 @@ class ModelArchConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention, HF semantics: a query at position p sees keys at positions
+    # > p - sliding_window. `layer_types[i]` is "full_attention" or "sliding_attention"; None
+    # means every layer slides when `sliding_window` is set, none otherwise.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`, or None for a full-attention layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:
