@@ -25,14 +25,18 @@ BACKENDS = {"torch": paged_attention_ref, "sdpa": paged_attention_sdpa}
 HEADS = [(4, 4), (9, 3), (16, 2), (8, 1)]
 
 
-def dense_causal_attention(q, k, v, scale):
+def dense_causal_attention(q, k, v, scale, sliding_window=None, soft_cap=None):
     """q [q_len, H, d], k/v [seq_len, kv_heads, d]: q are the last q_len positions."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
     v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
+    if sliding_window is not None:  # HF: key position > query position - window
+        mask &= ~torch.ones_like(mask).tril(diagonal=seq_len - q_len - sliding_window)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v.double())
 
@@ -179,6 +183,34 @@ def test_write_kv_cache_puts_each_token_in_its_slot(block_size):
             expected = tables[i][p // block_size] * block_size + p % block_size
             assert meta.slot_mapping[t] == expected
             t += 1
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 33])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_sliding_window_and_soft_cap_match_dense(backend, block_size, window, soft_cap):
+    """Blocks wholly before the first query's window are NaN (released and reused by a sliding
+    layer): reading one would poison the output."""
+    seed = block_size * 100 + window
+    reqs = scenario("mixed", block_size, seed)
+    b = build_batch(reqs, block_size, 9, 3, 64, seed=seed)
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    tables = meta.block_tables.tolist()
+    for i, (num_computed, _) in enumerate(reqs):
+        first_visible = max(0, num_computed - window + 1)
+        for block_id in tables[i][: first_visible // block_size]:
+            b["k_cache"][block_id] = float("nan")
+            b["v_cache"][block_id] = float("nan")
+    out = BACKENDS[backend](
+        b["query"], b["k_cache"], b["v_cache"], meta, 0.125,
+        sliding_window=window, logits_soft_cap=soft_cap,
+    )  # fmt: skip
+    for i, (q, k, v) in enumerate(b["dense"]):
+        rows = out[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]]
+        expected = dense_causal_attention(q, k, v, 0.125, window, soft_cap).float()
+        torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0, msg=f"request {i} {reqs[i]}")
 
 
 def test_backend_selection():

@@ -19,23 +19,42 @@ def paged_attention_sdpa(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference."""
     out = torch.empty_like(query)
-    plan = _decode_plan(meta, query.device)
+    plan = _decode_plan(meta, query.device, sliding_window)
     if plan is not None:
-        _decode(query, k_cache, v_cache, scale, plan, out)
+        _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out)
     if meta.max_query_len > 1:
-        _prefill(query, k_cache, v_cache, meta, scale, out)
+        _prefill(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out)
     return out
 
 
-def _decode_plan(meta: AttentionMetadata, device: torch.device):
+def _attend(q, k, v, mask, scale, logits_soft_cap, is_causal=False):
+    """q [B, H, q_len, d], k/v [B, kv_heads, k_len, d]; SDPA unless the scores are soft-capped
+    (SDPA has no hook between the scores and the softmax)."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / logits_soft_cap)) * logits_soft_cap
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: int | None):
     """(query rows, context slots [B * max_len], valid mask [B, max_len]) of the decode rows,
-    or None. The same for every layer, so it is built once per step and kept on the metadata."""
-    plan = meta.__dict__.get("_sdpa_decode_plan", False)
-    if plan is not False:
-        return plan
+    or None. The same for every layer with this window, so it is built once per step and kept
+    on the metadata."""
+    plans = meta.__dict__.setdefault("_sdpa_decode_plans", {})
+    if sliding_window in plans:
+        return plans[sliding_window]
     qsl, bs = meta.query_start_loc_cpu, meta.block_size
     decode = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
     plan = None
@@ -48,36 +67,42 @@ def _decode_plan(meta: AttentionMetadata, device: torch.device):
             idx = torch.tensor(decode, device=device)
             block_tables, seq_lens = meta.block_tables[idx], meta.seq_lens[idx]
         seq_lens = seq_lens.long()
-        pos = torch.arange(max(meta.seq_lens_cpu[i] for i in decode), device=device)
-        valid = pos[None, :] < seq_lens[:, None]
+        max_len = max(meta.seq_lens_cpu[i] for i in decode)
+        if sliding_window is None:
+            ctx_start = torch.zeros_like(seq_lens)
+        else:  # only the last `sliding_window` positions (earlier blocks may be released)
+            max_len = min(max_len, sliding_window)
+            ctx_start = (seq_lens - sliding_window).clamp(min=0)
+        pos = ctx_start[:, None] + torch.arange(max_len, device=device)[None, :]
+        valid = pos < seq_lens[:, None]
         # Padding positions re-read the request's last token instead of whatever sits past it in
         # the cache: stale slots may hold NaN/inf, which a mask alone would not neutralise.
-        pos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
+        pos = torch.minimum(pos, seq_lens[:, None] - 1)
         blocks = torch.gather(block_tables.long(), 1, pos // bs)
         plan = rows, (blocks * bs + pos % bs).flatten(), valid
-    meta.__dict__["_sdpa_decode_plan"] = plan
+    plans[sliding_window] = plan
     return plan
 
 
-def _decode(query, k_cache, v_cache, scale, plan, out) -> None:
+def _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out) -> None:
     rows, slots, valid = plan
     num_kv_heads, head_dim = k_cache.shape[-2:]
     shape = (*valid.shape, num_kv_heads, head_dim)  # [B, max_len, kv_heads, d]
     # index_select, not advanced indexing: several times faster on CPU for this gather.
     k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape)
     v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape)
-    o = F.scaled_dot_product_attention(
+    o = _attend(
         query[rows].unsqueeze(2),  # [B, H, 1, d]
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
+        valid[:, None, None, :],
+        scale,
+        logits_soft_cap,
     )
     out[rows] = o.squeeze(2)
 
 
-def _prefill(query, k_cache, v_cache, meta, scale, out) -> None:
+def _prefill(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
     bs = meta.block_size
     qsl = meta.query_start_loc_cpu
@@ -86,24 +111,27 @@ def _prefill(query, k_cache, v_cache, meta, scale, out) -> None:
         q_len = end - start
         if q_len == 1:
             continue
-        num_blocks = -(-seq_len // bs)
-        block_ids = meta.block_tables[i, :num_blocks].long()
-        # Whole blocks are gathered, then cut to the context: [1, kv_heads, seq_len, d].
-        k = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, d]
         num_cached = seq_len - q_len
-        if num_cached == 0:
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
+        # Whole blocks from the first one the first query can see (all of them without a
+        # window) are gathered, then cut to the context: [1, kv_heads, ctx_len, d].
+        first_block = 0
+        if sliding_window is not None:
+            first_block = max(0, num_cached - sliding_window + 1) // bs
+        ctx_start = first_block * bs
+        block_ids = meta.block_tables[i, first_block : -(-seq_len // bs)].long()
+        k = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+        k = k[: seq_len - ctx_start].transpose(0, 1)[None]
+        v = v[: seq_len - ctx_start].transpose(0, 1)[None]
+        q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, d]
+        if num_cached == 0 and sliding_window is None:
+            o = _attend(q, k, v, None, scale, logits_soft_cap, is_causal=True)
         else:
             # SDPA's is_causal aligns top-left; queries here are the last q_len positions.
-            q_pos = torch.arange(num_cached, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            q_pos = torch.arange(num_cached, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(ctx_start, seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            o = _attend(q, k, v, mask, scale, logits_soft_cap)
         out[start:end] = o[0].transpose(0, 1)

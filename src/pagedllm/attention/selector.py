@@ -15,10 +15,9 @@ from pagedllm.attention.torch_ref import paged_attention_ref, write_kv_cache
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    # (query [T, H, d], k_cache, v_cache, meta, scale) -> [T, H, d]
-    forward: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-    ]
+    # (query [T, H, d], k_cache, v_cache, meta, scale, *, sliding_window, logits_soft_cap)
+    # -> [T, H, d]
+    forward: Callable[..., torch.Tensor]
     # (key [T, kv_heads, d], value, k_cache, v_cache, slot_mapping) -> None
     write_kv_cache: Callable[..., None] = write_kv_cache
 

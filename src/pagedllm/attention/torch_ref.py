@@ -37,8 +37,15 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], computed in float32."""
+    """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], computed in float32.
+
+    `sliding_window`: a query at position p sees keys at positions > p - sliding_window only;
+    positions before the first query's window are never read (a sliding layer may have released
+    their blocks). `logits_soft_cap`: scores become cap * tanh(scores / cap) before the softmax.
+    """
     num_heads = query.shape[1]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     group = num_heads // num_kv_heads
@@ -49,17 +56,23 @@ def paged_attention_ref(
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         q_len = end - start
-        slots = torch.tensor(context_slots(block_tables[i], seq_len, meta.block_size))
-        slots = slots.to(k_flat.device)
+        first_q = seq_len - q_len
+        ctx_start = 0 if sliding_window is None else max(0, first_q - sliding_window + 1)
+        slots = context_slots(block_tables[i], seq_len, meta.block_size)[ctx_start:]
+        slots = torch.tensor(slots, device=k_flat.device)
         # Query head h reads KV head h // group (the GQA/MQA convention of HF's repeat_kv).
-        k = k_flat[slots].float().repeat_interleave(group, dim=1)  # [seq_len, H, d]
+        k = k_flat[slots].float().repeat_interleave(group, dim=1)  # [ctx_len, H, d]
         v = v_flat[slots].float().repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [q_len, H, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        # Query i sits at absolute position (seq_len - q_len + i) and sees keys up to it.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        # Query i sits at absolute position (first_q + i) and sees keys up to it.
+        q_pos = torch.arange(first_q, seq_len, device=q.device)
+        k_pos = torch.arange(ctx_start, seq_len, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

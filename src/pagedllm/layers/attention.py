@@ -17,7 +17,14 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int | None = None,
         backend: str | AttentionBackend = "auto",
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        layer_idx: int = 0,
     ):
+        """`sliding_window`: HF semantics, a query at p sees keys at positions > p - window.
+        `logits_soft_cap`: scores -> cap * tanh(scores / cap) (Gemma 2 style).
+        `layer_idx`: the model's layer number, which picks this layer's KV cache group."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -28,6 +35,9 @@ class Attention(nn.Module):
             )
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.layer_idx = layer_idx
         self.backend = get_attention_backend(backend) if isinstance(backend, str) else backend
 
     def forward(
@@ -50,11 +60,13 @@ class Attention(nn.Module):
             v_cache,
             attn_metadata,
             self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"backend={self.backend.name}"
+            f"backend={self.backend.name}, sliding_window={self.sliding_window}"
         )
