@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.sdpa import paged_attention_sdpa
 from pagedllm.attention.torch_ref import paged_attention_ref, write_kv_cache
 
