@@ -190,14 +190,15 @@ def test_eviction_is_lru_and_tail_blocks_go_first():
     kv.check_integrity()
     # The same prompt again: its two surviving head blocks are touched out of the free queue.
     a2 = make_request([1, 2, 3, 4, 5, 6, 7])
-    blocks, hit = kv.get_computed_blocks(a2)
+    hits, hit = kv.get_computed_blocks(a2)
+    (blocks,) = hits  # one KV cache group
     assert blocks == a_blocks[:2] and hit == 4
-    assert not kv.allocate_slots(a2, 3, blocks)  # 2 hits + 2 new > 2 free: nothing changes
+    assert not kv.allocate_slots(a2, 3, hits)  # 2 hits + 2 new > 2 free: nothing changes
     assert all(b.ref_cnt == 0 for b in blocks)
     assert kv.get_block_ids(a2.request_id) == []
     x_blocks = list(kv.req_to_blocks[x.request_id])
     kv.free(x)  # x's blocks join the tail of the queue, x's tail block first
-    assert kv.allocate_slots(a2, 3, blocks)
+    assert kv.allocate_slots(a2, 3, hits)
     assert [b.ref_cnt for b in blocks] == [1, 1]
     # a2's two new blocks were x's two tail blocks (evicted); x's head block is still cached.
     assert kv.req_to_blocks[a2.request_id][2:] == [x_blocks[2], x_blocks[1]]

@@ -41,7 +41,7 @@ def step(scheduler: Scheduler, token: int = 7):
     for r in out.scheduled_requests:
         # Block table covers every token computed after this step.
         n = r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
-        assert len(out.block_ids[r.request_id]) * scheduler.kv_cache_manager.block_size >= n
+        assert len(out.block_ids[r.request_id][0]) * scheduler.kv_cache_manager.block_size >= n
     sampled = {r.seq_id: [token] for r in out.scheduled_requests if out.needs_sample(r)}
     groups = scheduler.update_from_output(out, ModelRunnerOutput(sampled))
     finished = [g.first for g in groups if g.is_finished()]

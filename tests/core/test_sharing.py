@@ -74,7 +74,7 @@ class FakeRunner:
             self.pool[dst] = contents
         for seq in so.scheduled_requests:
             start, n = seq.num_computed_tokens, so.num_scheduled_tokens[seq.seq_id]
-            table = so.block_ids[seq.seq_id]
+            (table,) = so.block_ids[seq.seq_id]
             for p in range(start, start + n):
                 self.pool[table[p // self.block_size]][p % self.block_size] = (
                     p,
@@ -85,7 +85,7 @@ class FakeRunner:
             if not so.needs_sample(seq):
                 continue
             # What attention sees: the context read back through the block table.
-            context = self.read(so.block_ids[seq.seq_id], seq.num_tokens)
+            context = self.read(so.block_ids[seq.seq_id][0], seq.num_tokens)
             assert context == list(enumerate(seq.all_token_ids)), f"{seq.seq_id} reads bad K/V"
             tokens = [t for _, t in context]
             if seq.group.is_beam_search:
@@ -136,7 +136,7 @@ def step(s: Scheduler, runner: FakeRunner):
         assert free_before - kv.num_free_blocks == predicted, "num_blocks_needed was wrong"
     for seq in out.scheduled_requests:
         n = seq.num_computed_tokens + out.num_scheduled_tokens[seq.seq_id]
-        assert len(out.block_ids[seq.seq_id]) * kv.block_size >= n
+        assert len(out.block_ids[seq.seq_id][0]) * kv.block_size >= n
         # Lockstep: a group's sequences sample in the same step, or none of them does.
         group_samples = {out.needs_sample(q) if q in out.scheduled_requests else False
                          for q in seq.group.seqs}  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_manager import cdiv
-from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_token
+from pagedllm.worker.model_runner import ModelRunner
 from tests.conftest import save_tiny_llama
 
 BLOCK = 4
@@ -42,7 +42,7 @@ def greedy(max_tokens):
 def swap_space_for(llm, num_blocks) -> float:
     """--swap-space (GiB) that makes exactly `num_blocks` blocks of swap space."""
     engine = llm.llm_engine
-    per_block = kv_cache_bytes_per_token(engine.model_config, engine.dtype) * engine.block_size
+    per_block = engine.runner.kv_cache_spec.bytes_per_block
     return (num_blocks + 0.5) * per_block / 2**30
 
 
@@ -249,7 +249,9 @@ def test_impossible_groups_are_rejected_and_the_rest_runs_on(tiny, unconstrained
 
 # -- the K/V the swap copies move -----------------------------------------------------------------
 def test_swap_blocks_move_every_layer_k_and_v_and_nothing_else():
-    config = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
+    config = SimpleNamespace(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=8, layer_sliding_window=lambda i: None
+    )
     runner = ModelRunner(None, config, block_size=4, device=torch.device("cpu"),
                          dtype=torch.float32)  # fmt: skip
     runner.allocate_kv_cache(num_blocks=10)

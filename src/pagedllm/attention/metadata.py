@@ -8,6 +8,7 @@ context, and decode (q_len == 1).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,17 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # With several KV cache groups (sliding-window models): every group's metadata (the same
+    # but for block_tables and slot_mapping) and each layer's group.
+    groups: list[AttentionMetadata] | None = None
+    layer_group: list[int] | None = None
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        return self if self.groups is None else self.groups[self.layer_group[layer_idx]]
+
+    def with_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor):
+        """The same batch seen through another group's block tables."""
+        return dataclasses.replace(self, slot_mapping=slot_mapping, block_tables=block_tables)
 
     @property
     def num_reqs(self) -> int:

@@ -582,7 +582,7 @@ def run_throughput(
 ) -> tuple[dict[str, Any], bool]:
     """Every (mode, pool fraction) run, each on a fresh engine; (results, all outputs agree)."""
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.worker.model_runner import kv_cache_bytes_per_token
+    from pagedllm.worker.model_runner import kv_cache_spec
 
     block_size = engine_args.block_size
     limit = model_info["max_position_embeddings"]
@@ -597,9 +597,9 @@ def run_throughput(
     )
     demand = pool_demand(requests, block_size)
     min_blocks = cdiv(max_model_len, block_size)
-    bytes_per_block = (
-        kv_cache_bytes_per_token(model_info["config"], model_info["dtype"]) * block_size
-    )
+    bytes_per_block = kv_cache_spec(
+        model_info["config"], block_size, model_info["dtype"]
+    ).bytes_per_block
     fractions = [1.0, *(f for f in dict.fromkeys(ns.pool_fractions) if f != 1.0)]
     num_in = sum(len(p) for p, _ in requests)
     num_out = sum(n for _, n in requests)

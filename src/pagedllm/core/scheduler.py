@@ -48,7 +48,8 @@ class SchedulerOutput:
 
     scheduled_requests: list[Request]  # sequences; dicts below are keyed by their seq_id
     num_scheduled_tokens: dict[str, int]
-    block_ids: dict[str, list[int]]
+    # Per sequence, one block table per KV cache group.
+    block_ids: dict[str, list[list[int]]]
     total_num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous step, so the runner can drop their state.
@@ -226,7 +227,7 @@ class Scheduler:
         return SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
-            block_ids={r.seq_id: kv.get_block_ids(r.seq_id) for r in scheduled},
+            block_ids={r.seq_id: kv.get_group_block_ids(r.seq_id) for r in scheduled},
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=[g.request_id for g in preempted],
             finished_request_ids=finished,

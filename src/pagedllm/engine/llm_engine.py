@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineArgs, parse_bytes
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.model_loader import load_model
@@ -18,7 +18,7 @@ from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_token
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -112,7 +112,11 @@ class LLMEngine:
                 preemption_mode=args.preemption_mode,
             ),
             KVCacheManager(
-                self.num_blocks, self.block_size, args.enable_prefix_caching, self.num_cpu_blocks
+                self.num_blocks,
+                self.block_size,
+                args.enable_prefix_caching,
+                self.num_cpu_blocks,
+                self.runner.kv_cache_spec.sliding_windows,
             ),
         )
         self._num_preemptions_logged = 0
@@ -136,26 +140,28 @@ class LLMEngine:
         return self.args.max_model_len
 
     def _num_kv_blocks(self) -> int:
-        bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype)
-        bytes_per_block = bytes_per_token * self.block_size
+        spec = self.runner.kv_cache_spec
+        bytes_per_block = spec.bytes_per_block
         if self.args.num_gpu_blocks_override is not None:
             num_blocks = self.args.num_gpu_blocks_override
         else:
             num_blocks = self._kv_cache_budget() // bytes_per_block
-        num_tokens = num_blocks * self.block_size
-        blocks_per_request = cdiv(self.max_model_len, self.block_size)
+        # A request's blocks while decoding, and at its peak (a prefill chunk on top of a
+        # sliding window): the pool must hold one request at its peak.
+        blocks_per_request = spec.max_num_blocks(self.max_model_len)
+        peak = spec.max_num_blocks(self.max_model_len, chunk=self.max_num_batched_tokens)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%d bytes per token); "
-            "maximum concurrency for %d-token requests: %.2fx",
-            num_blocks, self.block_size, num_tokens, num_blocks * bytes_per_block / 2**30,
-            bytes_per_token, self.max_model_len, num_blocks / blocks_per_request,
+            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB (%s); "
+            "a %d-token request holds %d blocks (%.1f MiB): maximum concurrency %.2fx",
+            num_blocks, self.block_size, spec.group_size, num_blocks * bytes_per_block / 2**30,
+            spec.describe(), self.max_model_len, blocks_per_request,
+            blocks_per_request * bytes_per_block / 2**20, num_blocks / blocks_per_request,
         )  # fmt: skip
-        if num_blocks < blocks_per_request:
-            need = blocks_per_request * bytes_per_block
+        if num_blocks < peak:
             raise ValueError(
-                f"the KV cache holds {num_tokens} tokens, less than one request of max_model_len "
-                f"{self.max_model_len}: raise --kv-cache-memory to at least {need / 2**20:.0f}MiB "
-                f"or lower --max-model-len to {num_tokens} or less"
+                f"the KV cache has {num_blocks} blocks, less than one request of max_model_len "
+                f"{self.max_model_len} needs ({peak}): raise --kv-cache-memory to at least "
+                f"{peak * bytes_per_block / 2**20:.0f}MiB or lower --max-model-len"
             )
         return num_blocks
 
@@ -164,7 +170,7 @@ class LLMEngine:
         preempted group never holds more than the whole pool)."""
         if self.args.preemption_mode != "swap":
             return 0
-        bytes_per_block = kv_cache_bytes_per_token(self.model_config, self.dtype) * self.block_size
+        bytes_per_block = self.runner.kv_cache_spec.bytes_per_block
         num_blocks = min(int(self.args.swap_space * 2**30) // bytes_per_block, self.num_blocks)
         logger.info(
             "swap space: %d blocks, %.2f GiB of CPU memory (preemption mode: swap)",
@@ -279,7 +285,8 @@ class LLMEngine:
                 f"together, but max_num_batched_tokens is {self.max_num_batched_tokens}: raise "
                 "--max-num-batched-tokens or lower n / best_of"
             )
-        need = num_seqs * cdiv(max_len, self.block_size)
+        spec = self.runner.kv_cache_spec
+        need = num_seqs * spec.max_num_blocks(max_len, chunk=self.max_num_batched_tokens)
         if num_seqs > 1 and need > self.num_blocks:
             raise ValueError(
                 f"the request runs {num_seqs} sequences of up to {max_len} tokens, which need "

@@ -50,6 +50,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """query [T, H * d], key/value [T, kv_heads * d] -> [T, H * d]."""
         num_tokens = query.shape[0]
+        attn_metadata = attn_metadata.for_layer(self.layer_idx)
         k_cache, v_cache = kv_cache
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
+from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request
@@ -18,12 +20,9 @@ from pagedllm.sample.sampler import Sampler, beam_candidates, gather_logprobs
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_bytes_per_token(config: ModelArchConfig, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+def kv_cache_spec(config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
     element_size = torch.empty((), dtype=dtype).element_size()
-    return (
-        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
-    )
+    return KVCacheSpec.from_config(config, block_size, element_size)
 
 
 class ModelRunner:
@@ -41,6 +40,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_cache_spec = kv_cache_spec(config, block_size, dtype)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_pool: torch.Tensor | None = None
@@ -50,19 +50,17 @@ class ModelRunner:
         self.num_swapped_in_blocks = 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One preallocated pool: per layer a K and a V tensor [num_blocks, block_size, kvh, d]."""
-        c = self.config
-        shape = (
-            c.num_hidden_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
+        """One preallocated pool [group_size, 2, num_blocks, block_size, kvh, d]: each layer's K
+        and V are the [num_blocks, block_size, kvh, d] tensors of its slot (kv_cache_spec.py);
+        without sliding windows there is one group and slot i is layer i."""
+        c, spec = self.config, self.kv_cache_spec
+        shape = (spec.group_size, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_pool = pool
-        self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(c.num_hidden_layers)]
+        slots = spec.layer_slots()
+        self.kv_caches = [
+            (pool[slots[i][1], 0], pool[slots[i][1], 1]) for i in range(c.num_hidden_layers)
+        ]
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """The swap space: a second pool in host memory (pinned when the cache is on a GPU, so
@@ -104,9 +102,10 @@ class ModelRunner:
         num_blocks = -(-num_tokens // bs)
         saved = self.kv_caches, self.kv_pool
         self.allocate_kv_cache(num_blocks)
-        meta = AttentionMetadata.build(
-            bs, np.arange(num_tokens), [list(range(num_blocks))], [num_tokens], [num_tokens], dev
-        )
+        tables = [np.arange(num_blocks, dtype=np.int32)[None]] * len(self.kv_cache_spec.groups)
+        positions = np.arange(num_tokens)
+        meta = self._attention_metadata(tables, positions, np.zeros(num_tokens, np.int64),
+                                        [num_tokens], [num_tokens])  # fmt: skip
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         positions = torch.arange(num_tokens, device=dev)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -132,24 +131,50 @@ class ModelRunner:
                 num_computed[i] : seq_lens[i]
             ]
 
-        max_blocks = max(len(so.block_ids[r.seq_id]) for r in reqs)
-        block_table = np.zeros((len(reqs), max_blocks), np.int32)
-        for i, r in enumerate(reqs):
-            ids = so.block_ids[r.seq_id]
-            block_table[i, : len(ids)] = ids
-        bs = self.block_size
-        slot_mapping = (
-            block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
-        )
+        block_tables = []  # one [num_reqs, max_blocks] table per KV cache group
+        for g in range(len(self.kv_cache_spec.groups)):
+            max_blocks = max(len(so.block_ids[r.seq_id][g]) for r in reqs)
+            block_table = np.zeros((len(reqs), max_blocks), np.int32)
+            for i, r in enumerate(reqs):
+                ids = so.block_ids[r.seq_id][g]
+                block_table[i, : len(ids)] = ids
+            block_tables.append(block_table)
 
         sample_rows = [i for i, r in enumerate(reqs) if so.needs_sample(r)]
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
         dev = self.device
-        meta = AttentionMetadata.build(bs, slot_mapping, block_table, num_scheduled, seq_lens, dev)
+        meta = self._attention_metadata(block_tables, positions, req_index, num_scheduled, seq_lens)
         input_ids_t = torch.from_numpy(input_ids).to(dev)
         positions_t = torch.from_numpy(positions).to(dev)
         return input_ids_t, positions_t, meta, [reqs[i] for i in sample_rows], logits_indices
+
+    def _attention_metadata(self, block_tables, positions, req_index, query_lens, seq_lens):
+        """The batch's metadata: one per KV cache group when there are several (slots come from
+        each group's tables), tied to the layers through `groups` / `layer_group`."""
+        bs, dev = self.block_size, self.device
+        metas = []
+        for block_table in block_tables:
+            slot_mapping = (
+                block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
+            )
+            if not metas:
+                metas.append(
+                    AttentionMetadata.build(
+                        bs, slot_mapping, block_table, query_lens, seq_lens, dev
+                    )
+                )
+                continue
+            metas.append(
+                metas[0].with_tables(
+                    torch.from_numpy(slot_mapping).to(dev), torch.from_numpy(block_table).to(dev)
+                )
+            )
+        if len(metas) == 1:
+            return metas[0]
+        layer_slots = self.kv_cache_spec.layer_slots()
+        layer_group = [layer_slots[i][0] for i in range(self.config.num_hidden_layers)]
+        return dataclasses.replace(metas[0], groups=metas, layer_group=layer_group)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
