@@ -170,7 +170,8 @@ class KVCacheGroup:
 
     def num_blocks_needed(self, requests: list[tuple[Request, int]], swapped: bool) -> int:
         """See KVCacheManager.num_blocks_needed; released blocks held only by the sequences
-        releasing them count as freed."""
+        releasing them count as freed (not for swapped sequences: their swap-in comes first and
+        needs room for every block they hold)."""
         tables = self.swapped_blocks if swapped else self.req_to_blocks
         total = 0
         writers: dict[int, list[int]] = {}  # shared block id -> [ref_cnt, sequences writing]
@@ -181,7 +182,7 @@ class KVCacheGroup:
             block = self._shared_write_block(request, table)
             if block is not None:
                 writers.setdefault(block.block_id, [block.ref_cnt, 0])[1] += 1
-            for i in self._releasable(request, table):
+            for i in () if swapped else self._releasable(request, table):
                 releasers.setdefault(table[i].block_id, [table[i].ref_cnt, 0])[1] += 1
         for ref_cnt, num_writers in writers.values():
             total += num_writers if ref_cnt > num_writers else num_writers - 1
