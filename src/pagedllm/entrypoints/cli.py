@@ -1,4 +1,4 @@
-"""`pagedllm generate | chat | serve | bench`: the command line."""
+"""`pagedllm generate | chat | serve | kv-calc | bench`: the command line."""
 
 from __future__ import annotations
 
@@ -173,6 +173,40 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_calc(ns: argparse.Namespace) -> int:
+    from pagedllm.config import ModelArchConfig
+    from pagedllm.kv_calc import format_report, kv_memory_report
+
+    manual = (ns.num_layers, ns.num_kv_heads, ns.head_dim)
+    if any(v is not None for v in manual):
+        if None in manual or ns.model is not None:
+            raise ValueError("give a MODEL, or all of --num-layers, --num-kv-heads, --head-dim")
+        sliding = ns.num_sliding_layers if ns.sliding_window else 0
+        if sliding is None:
+            sliding = ns.num_layers
+        if not 0 <= sliding <= ns.num_layers:
+            raise ValueError(f"--num-sliding-layers must be in [0, {ns.num_layers}]")
+        config = ModelArchConfig(
+            "custom", vocab_size=0, hidden_size=0, intermediate_size=0,
+            num_hidden_layers=ns.num_layers, num_attention_heads=ns.num_kv_heads,
+            num_key_value_heads=ns.num_kv_heads, head_dim=ns.head_dim,
+            max_position_embeddings=ns.max_model_len or 2048,
+            sliding_window=ns.sliding_window or None,
+            layer_types=["sliding_attention"] * sliding
+            + ["full_attention"] * (ns.num_layers - sliding),
+        )  # fmt: skip
+        name = "custom"
+    else:
+        from pagedllm.model_loader.loader import load_model_config
+
+        config, name = load_model_config(ns.model)
+    report = kv_memory_report(
+        config, ns.max_model_len, ns.kv_cache_memory, ns.dtype, ns.block_size, name
+    )
+    print(format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,6 +250,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between those lines (default: 10)")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    kv = sub.add_parser(
+        "kv-calc",
+        help="KV-cache bytes per token and per request, and how many requests fit "
+        "(reads only the model's config)",
+    )
+    kv.add_argument("model", nargs="?", default=None,
+                    help="GGUF file, HF directory or config.json, or a packaged model's short "
+                         "name (default: SmolLM2-135M-Instruct)")  # fmt: skip
+    kv.add_argument("--max-model-len", type=int, default=None,
+                    help="tokens per request (default: the model's context length)")  # fmt: skip
+    kv.add_argument("--kv-cache-memory", default="4GiB", help="memory for the KV cache")
+    kv.add_argument("--dtype", default="bfloat16", help="KV dtype (default: bfloat16)")
+    kv.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    manual = kv.add_argument_group("a model by its numbers, instead of MODEL")
+    manual.add_argument("--num-layers", type=int)
+    manual.add_argument("--num-kv-heads", type=int)
+    manual.add_argument("--head-dim", type=int)
+    manual.add_argument("--sliding-window", type=int, default=None)
+    manual.add_argument("--num-sliding-layers", type=int, default=None,
+                        help="layers with the sliding window (default: all)")  # fmt: skip
+    kv.set_defaults(func=cmd_kv_calc)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

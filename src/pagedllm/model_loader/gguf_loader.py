@@ -233,3 +233,9 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     """Only the tokenizer of a GGUF file (no tensor is dequantized)."""
     return _tokenizer(read_metadata(gguf.GGUFReader(path)))
+
+
+def load_gguf_config(path: str | os.PathLike) -> ModelArchConfig:
+    """Only the architecture (metadata and tensor shapes; no tensor is read)."""
+    reader = gguf.GGUFReader(path)
+    return _config_from_metadata(read_metadata(reader), {t.name: t for t in reader.tensors})

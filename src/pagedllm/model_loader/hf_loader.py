@@ -74,6 +74,12 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
     )
 
 
+def load_hf_config(path: str | os.PathLike) -> ModelArchConfig:
+    """From a model directory's config.json, or a config.json path."""
+    path = Path(path)
+    return config_from_hf(_read_json(path / "config.json" if path.is_dir() else path))
+
+
 def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
     if index.exists():

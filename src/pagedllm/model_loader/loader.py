@@ -6,8 +6,9 @@ import importlib.util
 import os
 from pathlib import Path
 
-from pagedllm.model_loader.gguf_loader import load_gguf, load_gguf_tokenizer
-from pagedllm.model_loader.hf_loader import load_hf_dir, load_hf_tokenizer
+from pagedllm.config import ModelArchConfig
+from pagedllm.model_loader.gguf_loader import load_gguf, load_gguf_config, load_gguf_tokenizer
+from pagedllm.model_loader.hf_loader import load_hf_config, load_hf_dir, load_hf_tokenizer
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 
@@ -74,8 +75,8 @@ def resolve_model(model: str | None) -> str:
     )
 
 
-def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
-    """Load a .gguf file, a HF directory, or a directory holding a single .gguf."""
+def _model_path(model: str | None) -> Path:
+    """The .gguf file, HF directory or config.json that a model name or path stands for."""
     path = Path(resolve_model(model))
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -84,6 +85,26 @@ def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
                 f"{path} has no config.json and {len(ggufs)} .gguf files: pass one file's path"
             )
         path = ggufs[0]
+    return path
+
+
+def load_model_config(model: str | None) -> tuple[ModelArchConfig, str]:
+    """A model's architecture and name without loading its weights (GGUF metadata, or a HF
+    directory's / a bare config.json)."""
+    path = _model_path(model)
+    if path.suffix == ".gguf":
+        config = load_gguf_config(path)
+    elif path.is_dir() or path.name.endswith(".json"):
+        config = load_hf_config(path)
+    else:
+        raise ValueError(f"{path} is neither a .gguf file, a config.json nor a model directory")
+    name = path.parent.name if path.name == "config.json" else path.name.removesuffix(".gguf")
+    return config, DEFAULT_MODEL if model is None else name
+
+
+def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
+    """Load a .gguf file, a HF directory, or a directory holding a single .gguf."""
+    path = _model_path(model)
     if path.is_dir():
         loaded = load_hf_dir(path)
     elif path.suffix == ".gguf":
