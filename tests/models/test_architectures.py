@@ -226,3 +226,17 @@ def test_unsupported_rope_scaling_is_a_clear_error():
     cfg["rope_scaling"] = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
         config_from_hf(cfg)
+
+
+def test_qwen2_gguf_reads_the_same_in_transformers(tmp_path):
+    """An independent check of the tensor layout (no q/k permutation for this NEOX-RoPE arch):
+    transformers' own GGUF reader gives the same weights."""
+    hf, _ = hf_reference("qwen2")
+    write_gguf_from_hf(tmp_path / "q.gguf", hf)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="q.gguf", dtype=torch.float32
+    ).state_dict()
+    ours = load_gguf(tmp_path / "q.gguf").weights
+    assert set(ours) == set(ref)
+    for k, v in ours.items():
+        assert torch.equal(v, ref[k]), k

@@ -196,7 +196,8 @@ def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
         if meta.get(f"tokenizer.ggml.{k}") is not None
     ]
     head_dim = int(get("attention.key_length", hidden // heads))
-    # Written by llama.cpp's converter for phi3 only (0: none); it slides every layer, as HF does.
+    # llama.cpp's converter writes it for phi3 (0: none), not for Mistral (a "llama" file) nor
+    # Qwen2. Where present it slides every layer, as HF's Phi-3 and Mistral do.
     sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None
     config = ModelArchConfig(
         architecture=architecture,
@@ -236,7 +237,7 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
 
 
 def load_gguf(path: str | os.PathLike) -> LoadedModel:
-    """Read a llama-family GGUF: config, float32 weights with HF names, and its tokenizer."""
+    """Read a GGUF file: config, float32 weights with HF names, and its tokenizer."""
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -244,7 +245,7 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     arch = meta["general.architecture"]
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     if arch not in _PERMUTED_QK_ARCHS:
-        heads = {}
+        heads = {}  # NEOX-RoPE archs: q/k rows are stored in HF's order
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
