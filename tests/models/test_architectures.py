@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.model_loader import load_gguf, load_hf_dir
 from pagedllm.model_loader.hf_loader import config_from_hf
 from pagedllm.models import get_model_class, supported_architectures
@@ -159,6 +160,17 @@ def test_matches_transformers(name, source, tmp_path):
             torch.testing.assert_close(
                 ours, theirs, atol=ATOL, rtol=0, msg=f"prompt {i} step {step}"
             )
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_whole_engine_gives_hf_greedy_tokens(name, tmp_path):
+    """LLM (scheduler, KV cache manager, runner) on the saved model, chunked prefill and all."""
+    hf, expected = hf_reference(name)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=7)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, min_tokens=MAX_NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in expected]
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "torch"])
