@@ -189,10 +189,17 @@ GGUF_ARCH = {
 PERMUTED_QK = ("llama", "granite")  # llama.cpp's "normal" RoPE archs; the others are NEOX
 
 
-def write_gguf_from_hf(path: Path, hf_model, *, sliding_window_key: bool = True) -> Path:
+def write_gguf_from_hf(
+    path: Path,
+    hf_model,
+    *,
+    sliding_window_key: bool = True,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Write a transformers model as llama.cpp's converter would (F32, gpt2 tokenizer metadata;
     the model's vocab_size must be len(gpt2_vocab()[0])). `sliding_window_key` writes
-    `llama.attention.sliding_window` for a Mistral, which llama.cpp's converter leaves out."""
+    `llama.attention.sliding_window` for a Mistral, which llama.cpp's converter leaves out;
+    `extra_tensors` (GGUF name -> array) are added as they are."""
     c = hf_model.config
     arch = GGUF_ARCH[c.model_type]
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -239,6 +246,8 @@ def write_gguf_from_hf(path: Path, hf_model, *, sliding_window_key: bool = True)
         elif arch in PERMUTED_QK and ".attn_k." in name:
             array = llama_cpp_permute(array, kv_heads)
         w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

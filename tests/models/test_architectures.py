@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -252,3 +253,29 @@ def test_qwen2_gguf_reads_the_same_in_transformers(tmp_path):
     assert set(ours) == set(ref)
     for k, v in ours.items():
         assert torch.equal(v, ref[k]), k
+
+
+def test_transformers4_style_configs():
+    base = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 16}
+    base |= {"num_hidden_layers": 4, "num_attention_heads": 2}
+    # Qwen2.5 ships sliding_window set but disabled; enabled, layers >= max_window_layers slide.
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32768}
+    qwen |= {"max_window_layers": 2, "use_sliding_window": False}
+    assert config_from_hf(qwen).sliding_window is None
+    cfg = config_from_hf({**qwen, "use_sliding_window": True})
+    assert [cfg.layer_sliding_window(i) for i in range(4)] == [None, None, 32768, 32768]
+    phi = {**base, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}
+    cfg = config_from_hf({**phi, "rope_theta": 250000.0, "rope_scaling": None})
+    assert cfg.partial_rotary_factor == 0.75 and cfg.rope_theta == 250000.0
+    assert cfg.rope_scaling is None and cfg.sliding_window is None
+    granite = config_from_hf({**base, "architectures": ["GraniteForCausalLM"]})
+    assert granite.attention_multiplier == 1.0  # HF's default, not head_dim**-0.5
+
+
+def test_phi3_gguf_with_longrope_factors_is_a_clear_error(tmp_path):
+    hf, _ = hf_reference("phi3")
+    factors = np.ones(4, dtype=np.float32)  # rotary_dim / 2
+    extra = {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
+    path = write_gguf_from_hf(tmp_path / "p.gguf", hf, extra_tensors=extra)
+    with pytest.raises(ValueError, match="LongRoPE"):
+        load_gguf(path)
