@@ -34,6 +34,14 @@ class ModelArchConfig:
     # means every layer slides when `sliding_window` is set, none otherwise.
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    # Per-architecture options of the one decoder (the defaults are Llama's).
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2); attention_bias puts one on o_proj too
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims (Phi-3/4)
+    embedding_multiplier: float = 1.0  # Granite: embeddings scaled by this
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled before the residual add
+    attention_multiplier: float | None = None  # Granite: attention scale; None is head_dim**-0.5
+    logits_scaling: float = 1.0  # Granite: logits divided by this
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None for a full-attention layer."""

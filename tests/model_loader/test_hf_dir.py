@@ -104,8 +104,13 @@ def test_unsupported_configs_are_clear_errors():
     base |= {"num_hidden_layers": 1, "num_attention_heads": 2}
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported.*LlamaForCausalLM"):
         config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="sliding window"):
-        config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+
+
+def test_mistral_sliding_window_slides_every_layer():
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16}
+    base |= {"num_hidden_layers": 2, "num_attention_heads": 2}
+    cfg = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert [cfg.layer_sliding_window(i) for i in range(2)] == [4096, 4096]
 
 
 @pytest.fixture(scope="module")

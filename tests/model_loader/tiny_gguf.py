@@ -1,4 +1,6 @@
-"""Writing tiny llama GGUF files the way llama.cpp's convert_hf_to_gguf.py does, for tests."""
+"""Writing tiny GGUF files the way llama.cpp's convert_hf_to_gguf.py does, for tests: a random
+llama (write_tiny_llama), or any supported architecture from a transformers model
+(write_gguf_from_hf)."""
 
 from __future__ import annotations
 
@@ -92,19 +94,23 @@ _TO_GGUF = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate_up_proj": "ffn_up",  # phi3: gate and up stay fused in ffn_up
 }
 
 
 def gguf_name(hf_name: str) -> str:
-    stem = hf_name.removesuffix(".weight")
+    stem, _, suffix = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, i, rest = stem.split(".", 3)
-        return f"blk.{i}.{_TO_GGUF[rest]}.weight"
-    return f"{_TO_GGUF[stem]}.weight"
+        return f"blk.{i}.{_TO_GGUF[rest]}.{suffix}"
+    return f"{_TO_GGUF[stem]}.{suffix}"
 
 
 def write_tiny_llama(
@@ -164,6 +170,84 @@ def write_tiny_llama(
             w.add_tensor(name, data, raw_dtype=qtype)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# HF model_type -> llama.cpp architecture (Mistral converts to llama).
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "granite": "granite",
+    "phi3": "phi3",
+}
+PERMUTED_QK = ("llama", "granite")  # llama.cpp's "normal" RoPE archs; the others are NEOX
+
+
+def write_gguf_from_hf(
+    path: Path,
+    hf_model,
+    *,
+    sliding_window_key: bool = True,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write a transformers model as llama.cpp's converter would (F32, gpt2 tokenizer metadata;
+    the model's vocab_size must be len(gpt2_vocab()[0])). `sliding_window_key` writes
+    `llama.attention.sliding_window` for a Mistral, which llama.cpp's converter leaves out;
+    `extra_tensors` (GGUF name -> array) are added as they are."""
+    c = hf_model.config
+    arch = GGUF_ARCH[c.model_type]
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    rope = dict(c.rope_parameters)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{c.model_type}")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if head_dim != c.hidden_size // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if c.model_type == "granite":
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+    if c.model_type == "phi3":
+        w.add_sliding_window(c.sliding_window or 0)
+    if c.model_type == "mistral" and sliding_window_key and c.sliding_window is not None:
+        w.add_sliding_window(c.sliding_window)
+    tokens, types, merges = gpt2_vocab()
+    assert c.vocab_size == len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    for hf_name, tensor in hf_model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # the converter leaves the tied output out
+        array = tensor.detach().float().numpy()
+        name = gguf_name(hf_name)
+        if arch in PERMUTED_QK and ".attn_q." in name:
+            array = llama_cpp_permute(array, heads)
+        elif arch in PERMUTED_QK and ".attn_k." in name:
+            array = llama_cpp_permute(array, kv_heads)
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

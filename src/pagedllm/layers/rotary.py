@@ -2,7 +2,8 @@
 
 Uses HF's rotate_half layout (first half / second half of head_dim, not interleaved pairs),
 because checkpoints are in HF layout. cos/sin are computed once, in float32, for every
-position, then cast to the activations' dtype per call, exactly as HF does.
+position, then cast to the activations' dtype per call, exactly as HF does. With a `rotary_dim`
+below head_dim (partial rotary, e.g. Phi-4-mini), only each head's first rotary_dim dims rotate.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def compute_inv_freq(
     return torch.where(is_medium, smoothed, inv_freq_llama), max_position_embeddings
 
 
+def check_rope_scaling(rope_scaling: dict | None) -> None:
+    """Raise ValueError, naming the supported types, for a rope_scaling we cannot compute."""
+    _rope_type(rope_scaling)
+
+
 def _rope_type(rope_scaling: dict | None) -> str:
     if not rope_scaling:
         return "default"
@@ -69,10 +75,14 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: int,
         base: float = 10000.0,
         rope_scaling: dict | None = None,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, max_len = compute_inv_freq(head_dim, base, rope_scaling, max_position_embeddings)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, max_len = compute_inv_freq(
+            self.rotary_dim, base, rope_scaling, max_position_embeddings
+        )
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)  # [P, d/2]
         # Non-persistent: derived from the config, never part of a checkpoint. Casting them with
         # model.to(dtype) is harmless: HF casts cos/sin to the activations' dtype as well.
@@ -97,9 +107,15 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x1, x2 = x.view(shape[0], -1, self.head_dim).chunk(2, dim=-1)
+        x = x.view(shape[0], -1, self.head_dim)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
         # == x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), element for element.
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+        parts = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        return torch.cat(parts + (rest,) if rest.shape[-1] else parts, dim=-1).view(shape)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_positions={self.cos_cache.shape[0]}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"max_positions={self.cos_cache.shape[0]}"
+        )

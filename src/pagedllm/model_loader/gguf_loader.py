@@ -1,10 +1,14 @@
-"""Loading a llama-family GGUF file (llama.cpp's format) into HF-named float32 tensors.
+"""Loading a GGUF file (llama.cpp's format) of a llama-style architecture into HF-named float32
+tensors. The architectures are the registry's GGUF_ARCHITECTURES (llama, qwen2, qwen3, granite,
+phi3).
 
 Three things differ from a Hugging Face checkpoint and are undone here:
   - names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`;
   - quantization: blocks are dequantized with the gguf package's own reference code;
-  - rope layout: llama.cpp's converter permutes the rows of attn_q / attn_k (HF's rotate-half
-    pairs (i, i + d/2) become adjacent pairs (2i, 2i + 1)); we apply the inverse permutation.
+  - rope layout: for the archs llama.cpp runs with "normal" (adjacent-pair) RoPE, llama and
+    granite, its converter permutes the rows of attn_q / attn_k (HF's rotate-half pairs
+    (i, i + d/2) become adjacent pairs (2i, 2i + 1)); we apply the inverse permutation. The NEOX
+    RoPE archs (qwen2, qwen3, phi3) keep HF's layout and are not permuted.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
+from pagedllm.models.registry import architecture_from_gguf
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# GGUF architectures whose attn_q / attn_k rows llama.cpp's converter permutes.
+_PERMUTED_QK_ARCHS = ("llama", "granite")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -35,6 +42,9 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k, v stored fused, as in its HF checkpoint
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -50,7 +60,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict:
     }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name for a GGUF tensor name; None for tensors that are folded into the config."""
     if gguf_name == "rope_freqs.weight":
         return None  # llama3 rope scaling factors, turned into config.rope_scaling
@@ -59,8 +69,11 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
-    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+        module = _LAYER_TENSORS[m.group(2)]
+        if arch == "phi3" and module == "mlp.up_proj":
+            module = "mlp.gate_up_proj"  # phi3's ffn_up holds gate and up, fused as in HF
+        return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file")
 
 
 def unpermute_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -140,13 +153,27 @@ def _rope_scaling(meta: dict, arch: str, config: ModelArchConfig, rope_freqs) ->
     return None
 
 
+def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
+    """The ModelArchConfig options that set an architecture apart from Llama."""
+    if arch == "granite":  # llama.cpp: a missing attention.scale means 1/sqrt(head_dim)
+        scale = meta.get(f"{arch}.attention.scale")
+        return {
+            "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
+            "residual_multiplier": float(meta.get(f"{arch}.residual_scale", 1.0)),
+            "attention_multiplier": None if scale is None else float(scale),
+            "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0)),
+        }
+    if arch == "phi3":
+        if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+            raise ValueError("phi3 GGUF with LongRoPE factors (rope_factors_*): not supported")
+        rope_dims = meta.get(f"{arch}.rope.dimension_count")
+        return {"partial_rotary_factor": 1.0 if rope_dims is None else rope_dims / head_dim}
+    return {}
+
+
 def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    architecture = architecture_from_gguf(arch)
 
     def get(key, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -168,24 +195,34 @@ def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
         for k in ("eos_token_id", "eot_token_id", "eom_token_id")  # end of text / turn / message
         if meta.get(f"tokenizer.ggml.{k}") is not None
     ]
+    head_dim = int(get("attention.key_length", hidden // heads))
+    # llama.cpp's converter writes it for phi3 (0: none), not for Mistral (a "llama" file) nor
+    # Qwen2. Where present it slides every layer, as HF's Phi-3 and Mistral do.
+    sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None
     config = ModelArchConfig(
-        architecture=SUPPORTED_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
-        head_dim=int(get("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_output.bias" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        mlp_bias="blk.0.ffn_down.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
+        sliding_window=sliding_window,
+        **_arch_options(meta, arch, tensors, head_dim),
     )
     config.rope_scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))
+    check_rope_scaling(config.rope_scaling)
     return config
 
 
@@ -200,16 +237,19 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
 
 
 def load_gguf(path: str | os.PathLike) -> LoadedModel:
-    """Read a llama-family GGUF: config, float32 weights with HF names, and its tokenizer."""
+    """Read a GGUF file: config, float32 weights with HF names, and its tokenizer."""
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
+    arch = meta["general.architecture"]
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    if arch not in _PERMUTED_QK_ARCHS:
+        heads = {}  # NEOX-RoPE archs: q/k rows are stored in HF's order
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         try:

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+from pagedllm.models.registry import supported_architectures
 
 
 def _read_json(path: Path) -> dict:
@@ -22,35 +22,66 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or
-    transformers 5 (`rope_parameters` holding both) style configs."""
+def _rope(cfg: dict) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from transformers 4 (top-level keys,
+    `rope_scaling`) or transformers 5 (`rope_parameters` holding them all) style configs."""
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", None)
     scaling = cfg.get("rope_scaling") or params or None
     if scaling is not None:
         scaling = dict(scaling)
         scaling.pop("rope_theta", None)
+        partial = scaling.pop("partial_rotary_factor", partial)
         if "type" in scaling and "rope_type" not in scaling:  # old spelling
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
             scaling = None
-    return theta, scaling
+    check_rope_scaling(scaling)
+    return theta, scaling, float(partial or cfg.get("partial_rotary_factor") or 1.0)
+
+
+def _sliding_window(arch: str, cfg: dict) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as transformers applies them for each architecture."""
+    window = cfg.get("sliding_window")
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return window, None  # every layer slides when a window is set (layer_types ignored)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not cfg.get("use_sliding_window") or window is None:
+            return None, None
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        return window, layer_types
+    return None, None  # Llama, Granite: no sliding window
+
+
+def _arch_options(arch: str, cfg: dict) -> dict:
+    """The ModelArchConfig options that set an architecture apart from Llama."""
+    if arch == "Qwen2ForCausalLM":
+        return {"qkv_bias": True}  # q/k/v always carry a bias, o_proj never
+    if arch == "Qwen3ForCausalLM":
+        return {"qk_norm": True}
+    if arch == "GraniteForCausalLM":
+        return {
+            "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+        }
+    return {}
 
 
 def config_from_hf(cfg: dict) -> ModelArchConfig:
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    supported = supported_architectures()
+    arch = next((a for a in archs if a in supported), None)
     if arch is None:
-        raise ValueError(
-            f"architectures {archs} not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
-    if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
-        raise ValueError(
-            "Mistral with a sliding window is not supported (set sliding_window: null)"
-        )
+        raise ValueError(f"architectures {archs} not supported; supported: {', '.join(supported)}")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg)
+    theta, scaling, partial_rotary_factor = _rope(cfg)
+    sliding_window, layer_types = _sliding_window(arch, cfg)
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return ModelArchConfig(
@@ -71,6 +102,10 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
         mlp_bias=cfg.get("mlp_bias", False),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        partial_rotary_factor=partial_rotary_factor,
+        **_arch_options(arch, cfg),
     )
 
 

@@ -1,7 +1,13 @@
-"""Llama (and Mistral without sliding window) over flattened tokens and a paged KV cache.
+"""The Llama-style decoder over flattened tokens and a paged KV cache.
+
+One implementation serves Llama and its close relatives, switched by ModelArchConfig options:
+Mistral (sliding window), Qwen2/2.5 (q/k/v bias, optional sliding layers), Qwen3 (per-head q/k
+RMSNorm before RoPE), Granite (embedding/residual/attention/logits multipliers) and Phi-3 (partial
+rotary, sliding window). The registry maps each HF architecture name to this class.
 
 q/k/v and gate/up projections are fused into one matmul each (qkv_proj, gate_up_proj);
-load_weights takes HF parameter names and packs the separate checkpoint tensors into them.
+load_weights takes HF parameter names and packs separate checkpoint tensors into them (Phi-3's
+checkpoints already store them fused, and load as they are).
 """
 
 from __future__ import annotations
@@ -20,19 +26,44 @@ from pagedllm.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, backend: str, dtype):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        backend: str,
+        dtype,
+    ):
         super().__init__()
         h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.q_size, self.kv_size = h * d, kvh * d
-        bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=bias, dtype=dtype)
+        self.q_size, self.kv_size, self.head_dim = h * d, kvh * d, d
+        qkv_bias = config.attention_bias or config.qkv_bias
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, (h + 2 * kvh) * d, bias=qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(h * d, hidden, bias=config.attention_bias, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(h, d, d**-0.5, kvh, backend)
+        scale = config.attention_multiplier
+        self.attn = Attention(
+            h,
+            d,
+            d**-0.5 if scale is None else scale,
+            kvh,
+            backend,
+            sliding_window=config.layer_sliding_window(layer_idx),
+            layer_idx=layer_idx,
+        )
 
     def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head: [T, heads * d] viewed as [T, heads, d]
+            q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
+            k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
         q, k = self.rotary_emb.apply(q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
@@ -50,18 +81,28 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, backend: str, dtype):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        backend: str,
+        dtype,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary_emb, backend, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
-        residual = hidden_states
         h = self.self_attn(cos_sin, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
-        hidden_states = residual + h
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + self._scale(h)
+        return hidden_states + self._scale(self.mlp(self.post_attention_layernorm(hidden_states)))
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
@@ -70,17 +111,24 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         # One RoPE table shared by all layers (it only depends on the config).
         rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            rotary_dim=int(config.head_dim * config.partial_rotary_factor),
         )
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, backend, dtype)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary_emb, backend, dtype)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.embedding_multiplier
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(cos_sin, hidden_states, kv_cache, attn_metadata)
@@ -117,7 +165,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] (e.g. each request's last token) -> [N, vocab] float32."""
-        return self.lm_head(hidden_states).float()
+        logits = self.lm_head(hidden_states).float()
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -170,7 +220,10 @@ class LlamaForCausalLM(nn.Module):
                 )
             with torch.no_grad():
                 param[offset : offset + expected[0]].copy_(tensor)
-            loaded.add((target, offset))
+            if rows is None:  # a whole parameter, e.g. Phi-3's stored qkv_proj: every shard
+                loaded.update(key for key in required if key[0] == target)
+            else:
+                loaded.add((target, offset))
         missing = sorted(hf_name for key, hf_name in required.items() if key not in loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing)}")

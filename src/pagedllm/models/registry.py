@@ -1,4 +1,6 @@
-"""Architecture name (config.json "architectures"[0]) -> model class."""
+"""The supported architectures, in one place: HF architecture name (config.json "architectures")
+-> model class, and llama.cpp's GGUF architecture name -> HF architecture name. The HF and GGUF
+loaders consult these tables; an architecture missing here is rejected with the list of these."""
 
 from __future__ import annotations
 
@@ -6,10 +8,24 @@ from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM
 
-# Mistral is Llama's graph; its sliding window is not applied yet (exact up to the window).
+# Llama's close relatives share its decoder; their differences are ModelArchConfig options.
 _MODELS: dict[str, type[nn.Module]] = {
+    "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# general.architecture in a GGUF file -> the HF architecture it loads as. llama.cpp's converter
+# writes Mistral as "llama" (and does not store its sliding window).
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "granite": "GraniteForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -23,3 +39,13 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def architecture_from_gguf(gguf_arch: str | None) -> str:
+    """The HF architecture name of a GGUF general.architecture; ValueError listing the supported."""
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {gguf_arch!r} is not supported; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    return GGUF_ARCHITECTURES[gguf_arch]
