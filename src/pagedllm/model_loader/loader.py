@@ -74,8 +74,12 @@ def resolve_model(model: str | None) -> str:
     )
 
 
-def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
-    """Load a .gguf file, a HF directory, or a directory holding a single .gguf."""
+def load_model(
+    model: str | None, tokenizer: str | None = None, keep_int4: bool = False
+) -> LoadedModel:
+    """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
+
+    keep_int4: also return a GGUF's 4-bit tensors as int4 codes (LoadedModel.int4_weights)."""
     path = Path(resolve_model(model))
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -87,7 +91,7 @@ def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
     if path.is_dir():
         loaded = load_hf_dir(path)
     elif path.suffix == ".gguf":
-        loaded = load_gguf(path)
+        loaded = load_gguf(path, keep_int4=keep_int4)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     if tokenizer is not None:
