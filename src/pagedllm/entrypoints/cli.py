@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import preemption, prefix_caching, sharing, throughput
+    from pagedllm.benchmarks import preemption, prefix_caching, quantization, sharing, throughput
     from pagedllm.benchmarks import serve as serve_bench
 
     # Offline benchmarks: each takes every engine flag plus its own.
@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
          "search (prefix caching forced off)"),
         ("preemption", preemption, "preemption by swap vs recompute: recovery time by block "
          "size, and throughput as the KV pool shrinks"),
+        ("quantization", quantization, "float32, bfloat16, int8 and int4 weights: memory, "
+         "decode and batched speed, accuracy against float32"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)
