@@ -3,6 +3,9 @@ blocks taken exactly, and quantize_model on a tiny Llama."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import gguf
 import numpy as np
 import pytest
@@ -165,7 +168,10 @@ def _tiny_llama(tie: bool) -> LlamaForCausalLM:
 def test_quantize_model_swaps_projections_and_drops_floats(method, tie):
     model = _tiny_llama(tie)
     float_bytes = weight_bytes(model)
+    old_weight = weakref.ref(model.model.layers[0].mlp.gate_up_proj.weight)
     kept = quantize_model(model, method)
+    gc.collect()
+    assert old_weight() is None  # the float weight is not kept anywhere
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert linears == kept == (["lm_head"] if tie else [])  # a tied lm_head stays float
     kind = Int8Linear if method == "int8" else Int4Linear

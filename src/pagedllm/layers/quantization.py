@@ -49,7 +49,9 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per-output-channel quantization: scale = max|w| / 127 (float32 math)."""
+        """Symmetric per-output-channel quantization: scale = max|w| / 127 (float32 math).
+        A GGUF Q8_0 weight arrives here dequantized: its per-32 block scales do not map onto one
+        scale per output channel, so it is requantized (not bit-exact, unlike int4 from Q4)."""
         w = weight.detach().float()
         scales = w.abs().amax(dim=1) / 127
         q = torch.round(w / scales.clamp(min=1e-12)[:, None]).clamp(-127, 127).to(torch.int8)
