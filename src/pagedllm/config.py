@@ -71,6 +71,9 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(number * base**power)
 
 
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+
+
 @dataclass
 class EngineArgs:
     """Every engine flag; `LLM(**kwargs)` and the CLI both fill this (names follow vLLM)."""
@@ -93,6 +96,8 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (swap mode)
     attention_backend: str = "auto"
     disable_log_stats: bool = True
+    # none | int8 | int4: weight-only quantized projections on torch's CPU kernels
+    quantization: str = "none"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -121,6 +126,11 @@ class EngineArgs:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
             )
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

@@ -13,6 +13,7 @@ from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.layers.quantization import Int4Weight, quantize_model, weight_bytes
 from pagedllm.model_loader import load_model
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -62,13 +63,16 @@ class LLMEngine:
         self.args = args
         self.device = _resolve_device(args.device)
         if args.dtype == "auto":
-            self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+            # Quantized: bfloat16 on CPU too, as torch's int8/int4 CPU kernels are vectorized for
+            # bfloat16 activations only (float32 takes a reference path, 10-100x slower).
+            cpu_float = self.device.type == "cpu" and args.quantization == "none"
+            self.dtype = torch.float32 if cpu_float else torch.bfloat16
         else:
             self.dtype = _DTYPES[args.dtype]
         torch.manual_seed(args.seed)
 
         t0 = time.perf_counter()
-        loaded = load_model(args.model, args.tokenizer)
+        loaded = load_model(args.model, args.tokenizer, keep_int4=args.quantization == "int4")
         self.model_name = loaded.name
         self.model_config = config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -76,7 +80,9 @@ class LLMEngine:
             config, attention_backend=args.attention_backend
         )
         model.load_weights(loaded.weights.items())
+        loaded.weights.clear()  # the model holds copies; free these before quantizing
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.weight_bytes = self._quantize(loaded)
         logger.info("loaded %s in %.1f s", self.model_name, time.perf_counter() - t0)
 
         self.max_model_len = self._resolve_max_model_len()
@@ -128,6 +134,42 @@ class LLMEngine:
         self._request_counter = itertools.count()
 
     # -- start-up -----------------------------------------------------------------------------
+    def _quantize(self, loaded) -> int:
+        """Swap the projections for --quantization's layers; log and return the weight bytes."""
+        method = self.args.quantization
+        float_bytes = weight_bytes(self.model)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        if method == "none":
+            logger.info("weights: %.1f MiB (%s)", float_bytes / 2**20, dtype_name)
+            return float_bytes
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"--quantization {method} uses torch's CPU kernels: run with --device cpu"
+            )
+        exact = {}
+        if method == "int4" and loaded.int4_weights:
+            exact = {
+                module: Int4Weight.cat(parts)
+                for module, parts in self.model.group_by_module(loaded.int4_weights).items()
+            }
+            loaded.int4_weights.clear()
+        kept = quantize_model(self.model, method, exact)
+        quant_bytes = weight_bytes(self.model)
+        logger.info(
+            "weights: %.1f MiB with %s projections (%.1f MiB all in %s); kept in %s: %s",
+            quant_bytes / 2**20, method, float_bytes / 2**20, dtype_name, dtype_name,
+            ", ".join(kept) or "nothing",
+        )  # fmt: skip
+        if exact:
+            logger.info("int4: %d projections taken from the GGUF's 4-bit blocks", len(exact))
+        if self.dtype == torch.float32:
+            logger.warning(
+                "%s with float32 activations runs torch's slow reference kernel: "
+                "--dtype bfloat16 (or auto) is much faster",
+                method,
+            )
+        return quant_bytes
+
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         if self.args.max_model_len is None:

@@ -14,7 +14,8 @@ _ENGINE_FLAGS = {
     "--model": (str, "GGUF file, Hugging Face directory, or a packaged model's short name "
                      "(default: SmolLM2-135M-Instruct)"),
     "--tokenizer": (str, "tokenizer directory if not the model's own"),
-    "--dtype": (str, "float32 | bfloat16 | float16 | auto (float32 on CPU)"),
+    "--dtype": (str, "float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 with "
+                     "--quantization)"),
     "--device": (str, "cpu | cuda | auto"),
     "--seed": (int, "seed for random sampling"),
     "--max-model-len": (int, "context length (prompt + output); default: the model's"),
@@ -29,7 +30,10 @@ _ENGINE_FLAGS = {
     "--swap-space": (float, "GiB of CPU memory for swapped-out KV blocks (swap mode; at most "
                             "the KV cache's size)"),
     "--attention-backend": (str, "auto | sdpa | torch"),
+    "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "
+                            "memory (CPU kernels; int4 takes GGUF Q4 blocks as they are)"),
 }  # fmt: skip
+_SHORT_FLAGS = {"--quantization": "-q"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         field = flag[2:].replace("-", "_")
         default = getattr(defaults, field)
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(flag, type=type_, default=default, help=help_ + shown)
+        names = [flag, _SHORT_FLAGS[flag]] if flag in _SHORT_FLAGS else [flag]
+        group.add_argument(*names, type=type_, default=default, help=help_ + shown)
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True, help="split long prompts across steps")  # fmt: skip
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -275,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import preemption, prefix_caching, sharing, throughput
+    from pagedllm.benchmarks import preemption, prefix_caching, quantization, sharing, throughput
     from pagedllm.benchmarks import serve as serve_bench
 
     # Offline benchmarks: each takes every engine flag plus its own.
@@ -287,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
          "search (prefix caching forced off)"),
         ("preemption", preemption, "preemption by swap vs recompute: recovery time by block "
          "size, and throughput as the KV pool shrinks"),
+        ("quantization", quantization, "float32, bfloat16, int8 and int4 weights: memory, "
+         "decode and batched speed, accuracy against float32"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)

@@ -23,6 +23,7 @@ import torch
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
+from pagedllm.model_loader.gguf_int4 import INT4_TYPES, int4_weight_from_gguf
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
@@ -236,8 +237,12 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
     return tokenizer_from_gguf_metadata(tok_meta)
 
 
-def load_gguf(path: str | os.PathLike) -> LoadedModel:
-    """Read a GGUF file: config, float32 weights with HF names, and its tokenizer."""
+def load_gguf(path: str | os.PathLike, keep_int4: bool = False) -> LoadedModel:
+    """Read a GGUF file: config, float32 weights with HF names, and its tokenizer.
+
+    keep_int4: also keep the 4-bit tensors (Q4_0 / Q4_1 / Q4_K) as int4 codes, for
+    `--quantization int4` to use exactly as stored (they are dequantized all the same, as the
+    float model is loaded first)."""
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -248,6 +253,7 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         heads = {}  # NEOX-RoPE archs: q/k rows are stored in HF's order
 
     weights: dict[str, torch.Tensor] = {}
+    int4_weights = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
@@ -263,11 +269,22 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         proj = name.split(".")[-2]
         if proj in heads:
             array = unpermute_from_gguf(array, heads[proj])
+        if keep_int4 and t.tensor_type in INT4_TYPES:
+            raw = t.data.view(np.ndarray)
+            if proj in heads:  # a row permutation: it moves raw rows of blocks just as well
+                raw = unpermute_from_gguf(raw, heads[proj])
+            int4_weights[name] = int4_weight_from_gguf(raw, t.tensor_type)
         # F32 tensors are views of the read-only memory map: copy those (and only those).
         weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")
-    return LoadedModel(config=config, weights=weights, tokenizer=_tokenizer(meta), name=name)
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=_tokenizer(meta),
+        name=name,
+        int4_weights=int4_weights,
+    )
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer | None:

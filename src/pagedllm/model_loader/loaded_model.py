@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.layers.quantization import Int4Weight
 from pagedllm.model_loader.tokenizer import Tokenizer
 
 
@@ -18,3 +19,6 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     name: str
+    # HF weight names -> int4 codes, for weights a GGUF stores as 4-bit groups (only when asked
+    # for, see load_gguf's keep_int4); `weights` holds them dequantized all the same.
+    int4_weights: dict[str, Int4Weight] = field(default_factory=dict)

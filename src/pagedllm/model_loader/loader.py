@@ -102,13 +102,17 @@ def load_model_config(model: str | None) -> tuple[ModelArchConfig, str]:
     return config, DEFAULT_MODEL if model is None else name
 
 
-def load_model(model: str | None, tokenizer: str | None = None) -> LoadedModel:
-    """Load a .gguf file, a HF directory, or a directory holding a single .gguf."""
+def load_model(
+    model: str | None, tokenizer: str | None = None, keep_int4: bool = False
+) -> LoadedModel:
+    """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
+
+    keep_int4: also return a GGUF's 4-bit tensors as int4 codes (LoadedModel.int4_weights)."""
     path = _model_path(model)
     if path.is_dir():
         loaded = load_hf_dir(path)
     elif path.suffix == ".gguf":
-        loaded = load_gguf(path)
+        loaded = load_gguf(path, keep_int4=keep_int4)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     if tokenizer is not None:

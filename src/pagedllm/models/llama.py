@@ -12,6 +12,7 @@ checkpoints already store them fused, and load as they are).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -151,7 +152,39 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype  # lm_head may be quantized
+
+    def fused_shards(self) -> dict[str, tuple[str, int, int]]:
+        """checkpoint module -> (our fused module, row offset, rows)."""
+        c = self.config
+        q_size = c.num_attention_heads * c.head_dim
+        kv_size = c.num_key_value_heads * c.head_dim
+        inter = c.intermediate_size
+        return {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
+
+    def group_by_module(self, weights: Mapping[str, object]) -> dict[str, list[object]]:
+        """HF-named `.weight` entries -> our module name -> its parts in row order; a fused
+        module appears only when every one of its parts is there (e.g. all of q, k and v)."""
+        shards = self.fused_shards()
+        parts: dict[str, list[tuple[int, object]]] = {}
+        for name, value in weights.items():
+            *prefix, module, kind = name.split(".")
+            if kind != "weight":
+                continue
+            fused, offset, _ = shards.get(module, (module, 0, 0))
+            parts.setdefault(".".join([*prefix, fused]), []).append((offset, value))
+        need = Counter(fused for fused, _, _ in shards.values())  # e.g. qkv_proj: 3
+        return {
+            module: [v for _, v in sorted(p, key=lambda item: item[0])]
+            for module, p in parts.items()
+            if len(p) == need.get(module.rpartition(".")[2], 1)
+        }
 
     def forward(
         self,
@@ -177,17 +210,7 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError on an unknown name, a wrong shape, or a parameter left unloaded.
         """
         c = self.config
-        q_size = c.num_attention_heads * c.head_dim
-        kv_size = c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
-        # checkpoint module -> (our fused module, row offset, rows)
-        shards = {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
-        }
+        shards = self.fused_shards()
         params = dict(self.named_parameters())  # the tied lm_head.weight appears once, as embed
         # (our parameter, row offset) -> the checkpoint name that fills it
         required = {}

@@ -1,0 +1,93 @@
+"""The default model (GGUF Q4_1) with weights kept quantized: int4 takes the file's blocks
+exactly, so with float32 activations its greedy tokens are the float model's; int8 (and int4 with
+bfloat16 activations, the fast path) agree closely, teacher-forced."""
+
+import gc
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.benchmarks.quantization import (
+    PROMPTS,
+    _greedy,
+    accuracy,
+    continuation_logprobs,
+)
+from pagedllm.config import EngineArgs
+from pagedllm.layers.quantization import Int4Linear, Int8Linear
+from pagedllm.model_loader import load_gguf, resolve_model
+
+pytestmark = pytest.mark.slow
+
+NUM_PROMPTS = 4
+NUM_TOKENS = 20
+ENGINE = dict(kv_cache_memory="128MiB", max_model_len=512)
+
+
+def test_quantization_flag_is_validated():
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
+        EngineArgs(quantization="int3").validate()
+
+
+def test_gguf_q4_1_blocks_give_the_dequantized_weights_exactly():
+    loaded = load_gguf(resolve_model(None), keep_int4=True)
+    assert len(loaded.int4_weights) == 7 * loaded.config.num_hidden_layers  # every Q4_1 tensor
+    for name, codes in loaded.int4_weights.items():
+        assert torch.equal(codes.dequantize(), loaded.weights[name]), name
+
+
+def _generate(llm, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(NUM_TOKENS), False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """float32: prompts, greedy continuations, and their teacher-forced logprobs."""
+    llm = LLM(dtype="float32", **ENGINE)
+    engine = llm.llm_engine
+    prompts = [engine.tokenizer.encode(t) for t in PROMPTS[:NUM_PROMPTS]]
+    continuations = _generate(llm, prompts)
+    logprobs, _ = continuation_logprobs(engine, prompts, continuations)
+    float_bytes = engine.weight_bytes
+    del llm, engine
+    gc.collect()
+    return prompts, continuations, logprobs, float_bytes
+
+
+def _quantized(reference, **kwargs):
+    prompts, continuations, ref_logprobs, float_bytes = reference
+    llm = LLM(**kwargs, **ENGINE)
+    engine = llm.llm_engine
+    tokens = _generate(llm, prompts)
+    logprobs, ranks = continuation_logprobs(engine, prompts, continuations)
+    acc = accuracy(ref_logprobs, logprobs, ranks)
+    return engine, tokens, acc["mean_abs_logprob_diff"], acc["greedy_agreement"]
+
+
+def test_int4_float32_reproduces_the_float_model(reference):
+    engine, tokens, mean_diff, agreement = _quantized(
+        reference, dtype="float32", quantization="int4"
+    )
+    layer = engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear)
+    assert isinstance(layer.mlp.down_proj, Int4Linear)
+    assert engine.weight_bytes < 0.4 * reference[3]
+    # The same weights, summed in another order: the same greedy tokens, logprobs within noise.
+    assert tokens == reference[1]
+    assert agreement == 1.0 and mean_diff < 1e-3
+
+
+def test_int8_agrees_closely(reference):
+    engine, tokens, mean_diff, agreement = _quantized(reference, quantization="int8")
+    assert engine.dtype == torch.bfloat16  # auto: the kernels' fast path
+    assert isinstance(engine.model.model.layers[0].self_attn.o_proj, Int8Linear)
+    assert engine.weight_bytes < 0.35 * reference[3]
+    assert agreement >= 0.9 and mean_diff < 0.1, (agreement, mean_diff)
+
+
+def test_int4_bfloat16_agrees_closely(reference):
+    engine, tokens, mean_diff, agreement = _quantized(reference, quantization="int4")
+    assert engine.dtype == torch.bfloat16
+    assert agreement >= 0.9 and mean_diff < 0.1, (agreement, mean_diff)
