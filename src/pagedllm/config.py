@@ -34,6 +34,13 @@ class ModelArchConfig:
     # means every layer slides when `sliding_window` is set, none otherwise.
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    # RoPE base of the sliding layers when it differs from rope_theta (Gemma 3's local base).
+    rope_local_base_freq: float | None = None
+    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # tanh soft-capping: cap * tanh(x / cap) of attention scores / final logits (Gemma).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None for a full-attention layer."""

@@ -5,6 +5,9 @@ Three things differ from a Hugging Face checkpoint and are undone here:
   - quantization: blocks are dequantized with the gguf package's own reference code;
   - rope layout: llama.cpp's converter permutes the rows of attn_q / attn_k (HF's rotate-half
     pairs (i, i + d/2) become adjacent pairs (2i, 2i + 1)); we apply the inverse permutation.
+    (Gemma 3 is not permuted: llama.cpp runs it with NEOX-style rope, HF's layout.)
+Gemma 3 files also store every norm weight with the 1 of Gemma's (1 + w) already added: we
+subtract it again, since the model takes HF's weights.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -40,6 +46,17 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture names that differ from llama's (gemma3's ffn_norm is the pre-MLP norm).
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {
+        **_LAYER_TENSORS,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -50,17 +67,18 @@ def read_metadata(reader: gguf.GGUFReader) -> dict:
     }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name for a GGUF tensor name; None for tensors that are folded into the config."""
     if gguf_name == "rope_freqs.weight":
         return None  # llama3 rope scaling factors, turned into config.rope_scaling
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    layer_tensors = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
-    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+    if m and m.group(2) in layer_tensors:
+        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file")
 
 
 def unpermute_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -186,7 +204,30 @@ def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
         eos_token_ids=list(dict.fromkeys(eos_ids)),
     )
     config.rope_scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))
+    if arch == "gemma3":
+        _gemma3_config(meta, config)
     return config
+
+
+def _gemma3_config(meta: dict, config: ModelArchConfig) -> None:
+    """What llama.cpp's gemma3 graph takes from metadata, or hard-codes when a file has none:
+    one full-attention layer in 6, local RoPE base 10000, query_pre_attn_scalar = head_dim."""
+    n = config.num_hidden_layers
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer, true for sliding ones
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config.sliding_window = int(meta["gemma3.attention.sliding_window"])
+    config.rope_local_base_freq = float(meta.get("gemma3.rope.freq_base_swa", 10000.0))
+    config.query_pre_attn_scalar = config.head_dim
+    config.attn_logit_softcapping = meta.get("gemma3.attn_logit_softcapping")
+    config.final_logit_softcapping = meta.get("gemma3.final_logit_softcapping")
+    # Chat turns end with <end_of_turn> (llama.cpp treats it as end of generation too).
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in config.eos_token_ids:
+        config.eos_token_ids.append(tokens.index("<end_of_turn>"))
 
 
 def _tokenizer(meta: dict) -> Tokenizer | None:
@@ -196,6 +237,7 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
     tok_meta = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
     tok_meta["token_types"] = tok_meta.pop("token_type", None) or [1] * len(tok_meta["tokens"])
     tok_meta["chat_template"] = meta.get("tokenizer.chat_template")
+    tok_meta["architecture"] = meta.get("general.architecture")
     return tokenizer_from_gguf_metadata(tok_meta)
 
 
@@ -205,11 +247,14 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
+    arch = meta["general.architecture"]
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    if arch == "gemma3":
+        heads = {}  # not permuted
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         try:
@@ -223,6 +268,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         proj = name.split(".")[-2]
         if proj in heads:
             array = unpermute_from_gguf(array, heads[proj])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array - 1.0  # the converter stored 1 + w
         # F32 tensors are views of the read-only memory map: copy those (and only those).
         weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
