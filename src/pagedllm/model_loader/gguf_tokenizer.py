@@ -158,6 +158,23 @@ def _sentencepiece_backend(meta: dict) -> BackendTokenizer:
 
 _BUILDERS = {"gpt2": _gpt2_backend, "llama": _sentencepiece_backend}
 
+# Gemma's turn format, for Gemma files without tokenizer.chat_template (llama.cpp's converter
+# leaves it out when the source has none): system text opens the next user turn, and the
+# assistant's role is called "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}"
+    "{% set ns.system = ns.system + (m['content'] | default('') | trim) + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ ns.system + (m['content'] | default('') | trim) }}<end_of_turn>\n"
+    "{% set ns.system = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
 
 def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     """`meta` holds the tokenizer.ggml.* values without the prefix (tokens, token_types, merges,
@@ -194,6 +211,9 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
 
     # llama.cpp adds BOS to sentencepiece vocabularies unless the file says otherwise.
     add_bos = meta.get("add_bos_token", kind == "llama")
+    chat_template = meta.get("chat_template")
+    if chat_template is None and meta.get("architecture") in _GEMMA_ARCHS:
+        chat_template = GEMMA_CHAT_TEMPLATE if "<start_of_turn>" in tokens else None
     return Tokenizer(
         backend,
         bos_token=token("bos"),
@@ -201,5 +221,5 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
         unk_token=token("unknown"),
         pad_token=token("padding"),
         add_bos_token=add_bos,
-        chat_template=meta.get("chat_template"),
+        chat_template=chat_template,
     )
