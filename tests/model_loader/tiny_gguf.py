@@ -181,11 +181,12 @@ _GEMMA3_TO_GGUF = {
 }
 
 
-def write_gemma3_gguf(path: Path, hf_model) -> Path:
+def write_gemma3_gguf(path: Path, hf_model, all_keys: bool = False) -> Path:
     """Write a transformers Gemma3ForCausalLM as llama.cpp's converter does (F32): its metadata
     keys, gemma3 tensor names, q/k not permuted, every norm weight stored as 1 + w, and no
     sliding-window pattern, local RoPE base or query_pre_attn_scalar (llama.cpp fixes those: one
-    full layer in 6, 10000, head_dim), so `hf_model` must use those values."""
+    full layer in 6, 10000, head_dim), so `hf_model` must use those values. `all_keys` writes
+    those too, with the keys gguf defines for them, and the soft-caps."""
     c = hf_model.config
     rope = c.rope_parameters["full_attention"]
     w = gguf.GGUFWriter(str(path), "gemma3")
@@ -204,6 +205,17 @@ def write_gemma3_gguf(path: Path, hf_model) -> Path:
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if all_keys:
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        w.add_float32(
+            gguf.Keys.Rope.FREQ_BASE_SWA.format(arch="gemma3"),
+            c.rope_parameters["sliding_attention"]["rope_theta"],
+        )
+        w.add_attention_scale(c.query_pre_attn_scalar**-0.5)
+        if c.attn_logit_softcapping is not None:
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if c.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
     for hf_name, tensor in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue

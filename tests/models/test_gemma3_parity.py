@@ -127,7 +127,8 @@ def saved(tmp_path_factory):
         hf, _ = hf_reference(name)
         directory = tmp_path_factory.mktemp(name)
         hf.save_pretrained(directory)
-        return directory, write_gemma3_gguf(directory.parent / f"{name}.gguf", hf)
+        gguf_path = directory.parent / f"{name}.gguf"
+        return directory, write_gemma3_gguf(gguf_path, hf, all_keys=name != "llama_cpp")
 
     return functools.cache(save)
 
@@ -146,7 +147,14 @@ def prefill_logits(model, prompts) -> list[torch.Tensor]:
     return list(logits.split([len(p) for p in prompts]))
 
 
-FORMATS = [("mixed", "safetensors"), ("softcap", "safetensors"), ("llama_cpp", "gguf")]
+# The llama_cpp GGUF has only the keys llama.cpp's converter writes; the others all of them.
+FORMATS = [
+    ("mixed", "safetensors"),
+    ("softcap", "safetensors"),
+    ("llama_cpp", "gguf"),
+    ("mixed", "gguf"),
+    ("softcap", "gguf"),
+]
 
 
 @pytest.mark.parametrize(("name", "fmt"), FORMATS)
@@ -158,7 +166,7 @@ def test_config_loaded(saved, name, fmt):
     assert c.layer_types == hf.config.layer_types and c.sliding_window == hf.config.sliding_window
     assert c.rope_local_base_freq == hf.config.rope_parameters[S]["rope_theta"]
     assert c.rope_theta == hf.config.rope_parameters[F]["rope_theta"]
-    assert c.query_pre_attn_scalar == hf.config.query_pre_attn_scalar
+    assert c.query_pre_attn_scalar == pytest.approx(hf.config.query_pre_attn_scalar, rel=1e-6)
     assert c.final_logit_softcapping == hf.config.final_logit_softcapping
     assert c.attn_logit_softcapping == hf.config.attn_logit_softcapping
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
@@ -257,3 +265,21 @@ def test_config_from_a_transformers_4_config():
     multimodal = dict(cfg, architectures=["Gemma3ForConditionalGeneration"])
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*not supported"):
         config_from_hf(multimodal)
+
+
+def test_gguf_defaults_follow_llama_cpp():
+    """Without the optional keys: one full layer in 6, local base 10000, the attention scaled by
+    head_dim ** -0.5, except for the 27B model (62 layers) where llama.cpp uses hidden / heads."""
+    from pagedllm.config import ModelArchConfig
+    from pagedllm.model_loader.gguf_loader import _gemma3_config
+
+    config = ModelArchConfig("Gemma3ForCausalLM", 262144, 5376, 21504, 62, 32, 16, 128)
+    _gemma3_config({"gemma3.attention.sliding_window": 1024}, config)
+    assert config.layer_types[:6] == [S] * 5 + [F] and len(config.layer_types) == 62
+    assert (config.sliding_window, config.rope_local_base_freq) == (1024, 10000.0)
+    assert config.query_pre_attn_scalar == 168
+    config = ModelArchConfig("Gemma3ForCausalLM", 262144, 1152, 6912, 26, 4, 1, 256)
+    _gemma3_config({"gemma3.attention.sliding_window": 512}, config)
+    assert config.query_pre_attn_scalar == 256
+    with pytest.raises(ValueError, match="sliding_window"):
+        _gemma3_config({}, config)

@@ -211,7 +211,8 @@ def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
 
 def _gemma3_config(meta: dict, config: ModelArchConfig) -> None:
     """What llama.cpp's gemma3 graph takes from metadata, or hard-codes when a file has none:
-    one full-attention layer in 6, local RoPE base 10000, query_pre_attn_scalar = head_dim."""
+    one full-attention layer in 6, local RoPE base 10000, and attention scaled by head_dim ** -0.5
+    (hidden / heads for the 27B model, the one with 62 layers)."""
     n = config.num_hidden_layers
     pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):  # one flag per layer, true for sliding ones
@@ -219,9 +220,17 @@ def _gemma3_config(meta: dict, config: ModelArchConfig) -> None:
     else:
         sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
     config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
-    config.sliding_window = int(meta["gemma3.attention.sliding_window"])
+    window = meta.get("gemma3.attention.sliding_window")
+    if window is None:
+        raise ValueError("GGUF file lacks the metadata key gemma3.attention.sliding_window")
+    config.sliding_window = int(window)
     config.rope_local_base_freq = float(meta.get("gemma3.rope.freq_base_swa", 10000.0))
-    config.query_pre_attn_scalar = config.head_dim
+    if "gemma3.attention.scale" in meta:
+        config.query_pre_attn_scalar = float(meta["gemma3.attention.scale"]) ** -2
+    elif n == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
     config.attn_logit_softcapping = meta.get("gemma3.attn_logit_softcapping")
     config.final_logit_softcapping = meta.get("gemma3.final_logit_softcapping")
     # Chat turns end with <end_of_turn> (llama.cpp treats it as end of generation too).

@@ -7,7 +7,9 @@ What differs from Llama:
   - a GELU-tanh gated MLP; attention scaled by query_pre_attn_scalar ** -0.5;
   - interleaved layers: sliding-window ones use RoPE with rope_local_base_freq, full-attention ones
     rope_theta (and rope_scaling);
-  - optional tanh soft-capping of attention scores and of the final logits.
+  - optional tanh soft-capping of attention scores and of the final logits (released Gemma 3
+    configs leave attn_logit_softcapping null, and HF's Gemma3 ignores it; we apply it when set,
+    as Gemma 2 does).
 Checkpoint names and the fused q/k/v, gate/up packing are Llama's, so loading is shared.
 """
 
