@@ -42,6 +42,13 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before the residual add
     attention_multiplier: float | None = None  # Granite: attention scale; None is head_dim**-0.5
     logits_scaling: float = 1.0  # Granite: logits divided by this
+    # RoPE base of the sliding layers when it differs from rope_theta (Gemma 3's local base).
+    rope_local_base_freq: float | None = None
+    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # tanh soft-capping: cap * tanh(x / cap) of attention scores / final logits (Gemma).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None for a full-attention layer."""

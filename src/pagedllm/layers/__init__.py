@@ -1,6 +1,13 @@
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
-__all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "SiluAndMul"]
+__all__ = [
+    "Attention",
+    "GeluTanhAndMul",
+    "GemmaRMSNorm",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+]

@@ -8,7 +8,9 @@ Three things differ from a Hugging Face checkpoint and are undone here:
   - rope layout: for the archs llama.cpp runs with "normal" (adjacent-pair) RoPE, llama and
     granite, its converter permutes the rows of attn_q / attn_k (HF's rotate-half pairs
     (i, i + d/2) become adjacent pairs (2i, 2i + 1)); we apply the inverse permutation. The NEOX
-    RoPE archs (qwen2, qwen3, phi3) keep HF's layout and are not permuted.
+    RoPE archs (qwen2, qwen3, phi3, gemma3) keep HF's layout and are not permuted.
+Gemma 3 files also store every norm weight with the 1 of Gemma's (1 + w) already added: we
+subtract it again, since the model takes HF's weights.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture names that differ from llama's (gemma3's ffn_norm is the pre-MLP norm).
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {
+        **_LAYER_TENSORS,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -68,9 +81,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    layer_tensors = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        module = _LAYER_TENSORS[m.group(2)]
+    if m and m.group(2) in layer_tensors:
+        module = layer_tensors[m.group(2)]
         if arch == "phi3" and module == "mlp.up_proj":
             module = "mlp.gate_up_proj"  # phi3's ffn_up holds gate and up, fused as in HF
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
@@ -224,7 +238,39 @@ def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
     )
     config.rope_scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))
     check_rope_scaling(config.rope_scaling)
+    if arch == "gemma3":
+        _gemma3_config(meta, config)
     return config
+
+
+def _gemma3_config(meta: dict, config: ModelArchConfig) -> None:
+    """What llama.cpp's gemma3 graph takes from metadata, or hard-codes when a file has none:
+    one full-attention layer in 6, local RoPE base 10000, and attention scaled by head_dim ** -0.5
+    (hidden / heads for the 27B model, the one with 62 layers)."""
+    n = config.num_hidden_layers
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer, true for sliding ones
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    window = meta.get("gemma3.attention.sliding_window")
+    if window is None:
+        raise ValueError("GGUF file lacks the metadata key gemma3.attention.sliding_window")
+    config.sliding_window = int(window)
+    config.rope_local_base_freq = float(meta.get("gemma3.rope.freq_base_swa", 10000.0))
+    if "gemma3.attention.scale" in meta:
+        config.query_pre_attn_scalar = float(meta["gemma3.attention.scale"]) ** -2
+    elif n == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+    config.attn_logit_softcapping = meta.get("gemma3.attn_logit_softcapping")
+    config.final_logit_softcapping = meta.get("gemma3.final_logit_softcapping")
+    # Chat turns end with <end_of_turn> (llama.cpp treats it as end of generation too).
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in config.eos_token_ids:
+        config.eos_token_ids.append(tokens.index("<end_of_turn>"))
 
 
 def _tokenizer(meta: dict) -> Tokenizer | None:
@@ -234,6 +280,7 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
     tok_meta = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
     tok_meta["token_types"] = tok_meta.pop("token_type", None) or [1] * len(tok_meta["tokens"])
     tok_meta["chat_template"] = meta.get("tokenizer.chat_template")
+    tok_meta["architecture"] = meta.get("general.architecture")
     return tokenizer_from_gguf_metadata(tok_meta)
 
 
@@ -274,6 +321,8 @@ def load_gguf(path: str | os.PathLike, keep_int4: bool = False) -> LoadedModel:
             if proj in heads:  # a row permutation: it moves raw rows of blocks just as well
                 raw = unpermute_from_gguf(raw, heads[proj])
             int4_weights[name] = int4_weight_from_gguf(raw, t.tensor_type)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array - 1.0  # the converter stored 1 + w
         # F32 tensors are views of the read-only memory map: copy those (and only those).
         weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 

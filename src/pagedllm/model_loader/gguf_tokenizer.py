@@ -4,7 +4,8 @@ A GGUF carries no tokenizer.json, only the vocabulary, merges, token types and s
 llama.cpp's key names. We rebuild the equivalent `tokenizers.Tokenizer`:
   - "gpt2": byte-level BPE; the pre-tokenizer (how text is split before merging) is chosen by
     `tokenizer.ggml.pre`, because each vocabulary was trained with its own split rule.
-  - "llama": SentencePiece-style BPE with byte fallback; merges derived from the token scores.
+  - "llama": SentencePiece-style BPE with byte fallback; merges derived from the token scores
+    (for Gemma, from the vocabulary order: its scores do not rank its merges).
 """
 
 from __future__ import annotations
@@ -117,14 +118,23 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
     return [(a, b) for a, b, _ in merges]
 
 
+# Gemma's SentencePiece vocabularies, whose GGUF files spell whitespace pieces with real spaces.
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+
+
 def _sentencepiece_backend(meta: dict) -> BackendTokenizer:
-    tokens = meta["tokens"]
-    if meta.get("scores") is None:
+    tokens, scores = meta["tokens"], meta.get("scores")
+    if meta.get("architecture") in _GEMMA_ARCHS:
+        # Runs of spaces ("  ") are stored with real spaces, but text reaches the model spelled
+        # with "▁": respell them so merges can build them. And pieces merge in vocabulary order.
+        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    if scores is None:
         raise ValueError("GGUF 'llama' tokenizer without tokenizer.ggml.scores cannot be rebuilt")
     merges = (
         [tuple(m.split(" ", 1)) for m in meta["merges"]]
         if meta.get("merges")
-        else _sentencepiece_merges(tokens, meta["scores"])
+        else _sentencepiece_merges(tokens, scores)
     )
     unk_id = meta.get("unk_token_id")
     bpe = models.BPE(
@@ -148,6 +158,23 @@ def _sentencepiece_backend(meta: dict) -> BackendTokenizer:
 
 _BUILDERS = {"gpt2": _gpt2_backend, "llama": _sentencepiece_backend}
 
+# Gemma's turn format, for Gemma files without tokenizer.chat_template (llama.cpp's converter
+# leaves it out when the source has none): system text opens the next user turn, and the
+# assistant's role is called "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}"
+    "{% set ns.system = ns.system + (m['content'] | default('') | trim) + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ ns.system + (m['content'] | default('') | trim) }}<end_of_turn>\n"
+    "{% set ns.system = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
 
 def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     """`meta` holds the tokenizer.ggml.* values without the prefix (tokens, token_types, merges,
@@ -160,19 +187,21 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     backend = _BUILDERS[kind](meta)
     tokens, types = meta["tokens"], meta["token_types"]
     # Control tokens (<|im_start|>, <s>) must stay whole in text and vanish on skip_special_tokens;
-    # user-defined ones stay whole but are ordinary text. They keep their ids: they're in the vocab.
+    # user-defined ones stay whole but are ordinary text. They keep their ids: they're in the vocab
+    # (one the builder respelled is not, and is left to the merges).
+    in_vocab = [backend.token_to_id(t) == i for i, t in enumerate(tokens)]
     backend.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _CONTROL
+            for t, k, ok in zip(tokens, types, in_vocab, strict=True)
+            if k == _CONTROL and ok
         ]
     )
     backend.add_tokens(
         [
             AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _USER_DEFINED
+            for t, k, ok in zip(tokens, types, in_vocab, strict=True)
+            if k == _USER_DEFINED and ok
         ]
     )
 
@@ -182,6 +211,9 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
 
     # llama.cpp adds BOS to sentencepiece vocabularies unless the file says otherwise.
     add_bos = meta.get("add_bos_token", kind == "llama")
+    chat_template = meta.get("chat_template")
+    if chat_template is None and meta.get("architecture") in _GEMMA_ARCHS:
+        chat_template = GEMMA_CHAT_TEMPLATE if "<start_of_turn>" in tokens else None
     return Tokenizer(
         backend,
         bos_token=token("bos"),
@@ -189,5 +221,5 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
         unk_token=token("unknown"),
         pad_token=token("padding"),
         add_bos_token=add_bos,
-        chat_template=meta.get("chat_template"),
+        chat_template=chat_template,
     )

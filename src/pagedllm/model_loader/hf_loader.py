@@ -73,8 +73,48 @@ def _arch_options(arch: str, cfg: dict) -> dict:
     return {}
 
 
+def _gemma3_fields(cfg: dict) -> dict:
+    """Gemma 3's extra ModelArchConfig fields: layer types, per-layer-type RoPE, soft-capping."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3 with hidden_activation {cfg['hidden_activation']!r}")
+    n = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # older configs: every `pattern`-th layer is a full-attention one
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
+    per_type = cfg.get("rope_parameters") or {}
+    if "full_attention" in per_type:  # transformers 5: one RoPE dict per layer type
+        theta, scaling, _ = _rope({"rope_parameters": per_type["full_attention"]})
+        local_theta, local_scaling, _ = _rope({"rope_parameters": per_type["sliding_attention"]})
+        if local_scaling is not None:
+            raise ValueError("Gemma 3 with rope scaling on sliding layers is not supported")
+    else:  # transformers 4: rope_theta (+ rope_scaling) global, rope_local_base_freq local
+        theta, scaling, _ = _rope(cfg)
+        local_theta = cfg.get("rope_local_base_freq", 10000.0)
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_base_freq=float(local_theta),
+        sliding_window=cfg.get("sliding_window"),
+        layer_types=list(layer_types),
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+    )
+
+
 def config_from_hf(cfg: dict) -> ModelArchConfig:
     archs = cfg.get("architectures") or []
+    if "Gemma3ForConditionalGeneration" in archs:
+        raise ValueError(
+            "Gemma3ForConditionalGeneration (the multimodal checkpoint) is not supported: use a "
+            "text-only Gemma3ForCausalLM checkpoint"
+        )
     supported = supported_architectures()
     arch = next((a for a in archs if a in supported), None)
     if arch is None:
@@ -84,7 +124,8 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
     sliding_window, layer_types = _sliding_window(arch, cfg)
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return ModelArchConfig(
+    extra = _gemma3_fields(cfg) if arch == "Gemma3ForCausalLM" else {}
+    fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
@@ -107,6 +148,7 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
         partial_rotary_factor=partial_rotary_factor,
         **_arch_options(arch, cfg),
     )
+    return ModelArchConfig(**{**fields, **extra})
 
 
 def load_hf_config(path: str | os.PathLike) -> ModelArchConfig:

