@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.kv_cache_manager import NULL_BLOCK
+from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.model_loader import load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -102,15 +104,31 @@ def test_greedy_matches_transformers(llm, prompts_and_expected, hf_gemma3):
 
 def test_long_prompt_in_chunks_matches_transformers(prompts_and_expected):
     """Prefill in 100-token chunks with 32-token blocks: the sliding layers read the window
-    across chunk and block boundaries."""
+    across chunk and block boundaries, and their blocks that leave the window are released, so
+    each sliding group's table stays within the window plus a chunk."""
     prompts, expected = prompts_and_expected
     llm = LLM(
         model="gemma3-270m", kv_cache_memory="256MiB", max_model_len=2048, block_size=32,
         max_num_batched_tokens=100, enable_prefix_caching=False,
     )  # fmt: skip
+    engine = llm.llm_engine
+    kv = engine.scheduler.kv_cache_manager
+    assert [g.sliding_window for g in kv.groups] == [None] + [SLIDING_WINDOW] * 5  # 3 layers each
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
-    out = llm.generate({"prompt_token_ids": prompts[-1]}, params, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == expected[-1]
+    engine.add_request("long", {"prompt_token_ids": prompts[-1]}, params)
+    bound = cdiv(SLIDING_WINDOW - 1 + 100, 32) + 1
+    peak = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            token_ids = out.outputs[0].token_ids
+        kv.check_integrity()
+        peak = max(peak, kv.block_pool.num_blocks - kv.num_free_blocks)
+        for group in kv.groups[1:]:
+            for table in group.req_to_blocks.values():
+                assert sum(b is not NULL_BLOCK for b in table) <= bound
+    assert token_ids == expected[-1]
+    num_full_blocks = cdiv(len(prompts[-1]) + NUM_TOKENS, 32)
+    assert peak <= num_full_blocks + 5 * bound < 6 * num_full_blocks  # all layers: 6 tables
 
 
 def test_tokenizer_matches_transformers(hf_gemma3):
