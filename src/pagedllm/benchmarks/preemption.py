@@ -270,7 +270,8 @@ def measure_recovery(
     runner.allocate_kv_cache(num_blocks)
     runner.allocate_swap_space(num_seq_blocks)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
-                        num_cpu_blocks=num_seq_blocks)  # fmt: skip
+                        num_cpu_blocks=num_seq_blocks,
+                        sliding_windows=runner.kv_cache_spec.sliding_windows)  # fmt: skip
     seq = _sequence(context_len, vocab, seed)
     sid = seq.seq_id
 
@@ -286,7 +287,7 @@ def measure_recovery(
         so = SchedulerOutput(
             scheduled_requests=[seq],
             num_scheduled_tokens={sid: context_len},
-            block_ids={sid: kv.get_block_ids(sid)},
+            block_ids={sid: kv.get_group_block_ids(sid)},
             total_num_scheduled_tokens=context_len,
         )
         t1 = time.perf_counter()
