@@ -280,7 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import preemption, prefix_caching, quantization, sharing, throughput
+    from pagedllm.benchmarks import (
+        preemption,
+        prefix_caching,
+        quantization,
+        sharing,
+        sliding_window,
+        throughput,
+    )
     from pagedllm.benchmarks import serve as serve_bench
 
     # Offline benchmarks: each takes every engine flag plus its own.
@@ -292,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
          "search (prefix caching forced off)"),
         ("preemption", preemption, "preemption by swap vs recompute: recovery time by block "
          "size, and throughput as the KV pool shrinks"),
+        ("sliding-window", sliding_window, "KV memory of long requests with the sliding "
+         "layers' blocks released vs kept (default model: gemma3-270m)"),
         ("quantization", quantization, "float32, bfloat16, int8 and int4 weights: memory, "
          "decode and batched speed, accuracy against float32"),
     ):  # fmt: skip

@@ -1,0 +1,134 @@
+"""`pagedllm bench sliding-window`: the KV-cache memory that sliding-window layers give back.
+
+One request per prompt length (random token ids, greedy, `--output-len` tokens) runs twice on one
+engine (default model: Gemma 3 270M, 15 sliding layers with a 512-token window and 3 global
+ones): once as pagedllm runs it, the sliding groups releasing the blocks that leave the window,
+and once with a block manager whose groups all keep every block (the attention is the same: it
+only reads the window either way). The KV memory is measured, not computed: the peak number of
+pool blocks in use, read after every step, times the bytes of a block. The two runs must give
+the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedllm.benchmarks.sharing import int_list
+from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share
+from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "gemma3-270m"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("benchmark")
+    group.add_argument("--prompt-lens", type=int_list, default=[512, 2048, 8192],
+                       help="prompt lengths, comma-separated (default: 512,2048,8192)")  # fmt: skip
+    group.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
+    group.add_argument("--output-json", type=Path, default=None, help="write the results here")
+
+
+def _run(engine, prompt: list[int], output_len: int) -> dict[str, Any]:
+    """One request alone; the peak blocks in use after any step, and the tokens."""
+    kv = engine.scheduler.kv_cache_manager
+    params = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len)
+    engine.add_request("r", {"prompt_token_ids": prompt}, params)
+    peak, tokens, start = 0, None, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        peak = max(peak, kv.block_pool.num_blocks - kv.num_free_blocks)
+    seconds = time.perf_counter() - start
+    assert kv.num_free_blocks == kv.block_pool.num_blocks, "blocks leaked"
+    return {"peak_blocks": peak, "tokens": tokens, "seconds": seconds}
+
+
+def _use_manager(engine, sliding_windows) -> None:
+    """A fresh block manager over the same pool (the engine must be idle)."""
+    old = engine.scheduler.kv_cache_manager
+    engine.scheduler.kv_cache_manager = KVCacheManager(
+        old.block_pool.num_blocks, old.block_size, old.enable_prefix_caching,
+        old.num_cpu_blocks, sliding_windows,
+    )  # fmt: skip
+
+
+def run(engine_args: EngineArgs, prompt_lens: list[int], output_len: int) -> dict[str, Any]:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine_args.model = engine_args.model or DEFAULT_MODEL
+    engine_args.max_model_len = engine_args.max_model_len or max(prompt_lens) + output_len
+    engine_args.enable_prefix_caching = False  # each run computes its prompt
+    if engine_args.kv_cache_memory is None:
+        engine_args.kv_cache_memory = "1GiB"
+    engine = LLMEngine(engine_args)
+    spec = engine.runner.kv_cache_spec
+    windows = spec.sliding_windows
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    cpu_before = cpu_counters()
+    rows = []
+    for n in prompt_lens:
+        prompt = rng.integers(10, vocab, n).tolist()
+        _use_manager(engine, windows)
+        released = _run(engine, prompt, output_len)
+        _use_manager(engine, [None] * len(windows))
+        kept = _run(engine, prompt, output_len)
+        rows.append({
+            "prompt_len": n,
+            "tokens": n + output_len,
+            "peak_blocks_released": released["peak_blocks"],
+            "peak_blocks_kept": kept["peak_blocks"],
+            "peak_mib_released": released["peak_blocks"] * spec.bytes_per_block / 2**20,
+            "peak_mib_kept": kept["peak_blocks"] * spec.bytes_per_block / 2**20,
+            "seconds_released": released["seconds"],
+            "seconds_kept": kept["seconds"],
+            "same_tokens": released["tokens"] == kept["tokens"],
+        })  # fmt: skip
+    _use_manager(engine, windows)
+    return {
+        "model": engine.model_name,
+        "kv_cache_groups": spec.describe(),
+        "block_size": spec.block_size,
+        "bytes_per_block": spec.bytes_per_block,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "output_len": output_len,
+        "rows": rows,
+        "others_cpu_share": others_cpu_share(cpu_before, cpu_counters()),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']}: {result['kv_cache_groups']}; blocks of {result['block_size']} "
+        f"tokens, {result['bytes_per_block'] / 2**10:.0f} KiB each ({result['dtype']}); "
+        f"one request at a time, {result['output_len']} output tokens",
+        f"{'tokens':>7}  {'peak KV MiB (released)':>22}  {'peak KV MiB (kept)':>18}  "
+        f"{'saved':>6}  {'s (released)':>12}  {'s (kept)':>8}  same tokens",
+    ]
+    for r in result["rows"]:
+        saved = 1 - r["peak_blocks_released"] / r["peak_blocks_kept"]
+        lines.append(
+            f"{r['tokens']:>7}  {r['peak_mib_released']:>22.1f}  {r['peak_mib_kept']:>18.1f}  "
+            f"{saved:>6.0%}  {r['seconds_released']:>12.1f}  {r['seconds_kept']:>8.1f}  "
+            f"{'yes' if r['same_tokens'] else 'NO'}"
+        )
+    others = result["others_cpu_share"]
+    lines.append(f"other processes used up to {others:.1%} of the CPU")
+    return "\n".join(lines)
+
+
+def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    result = run(engine_args, ns.prompt_lens, ns.output_len)
+    print(format_table(result))
+    if ns.output_json:
+        ns.output_json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {ns.output_json}")
+    return 0 if all(r["same_tokens"] for r in result["rows"]) else 1
