@@ -30,3 +30,4 @@ def test_released_blocks_lower_the_peak(tmp_path):
     assert long["peak_blocks_released"] == 15 + 15 < long["peak_blocks_kept"]
     table = sliding_window.format_table(result)
     assert "saved" in table and "NO" not in table
+    assert long["last_blocks_released"] == 17 + 3  # decoding: 3 sliding blocks (window 8)
