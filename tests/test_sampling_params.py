@@ -15,6 +15,10 @@ NAN = float("nan")
         ("best_of", dict(n=3, best_of=2)),
         ("best_of", dict(best_of=2.0)),
         ("early_stopping", dict(use_beam_search=True, temperature=0, early_stopping="sometimes")),
+        # length ** 1e308 overflows inside the engine loop, which stopped it for everyone
+        ("length_penalty", dict(use_beam_search=True, temperature=0, length_penalty=1e308)),
+        ("length_penalty", dict(use_beam_search=True, temperature=0, length_penalty=-11.0)),
+        ("length_penalty", dict(use_beam_search=True, temperature=0, length_penalty=NAN)),
         ("presence_penalty", dict(presence_penalty=2.5)),
         ("presence_penalty", dict(presence_penalty=NAN)),
         ("frequency_penalty", dict(frequency_penalty=-2.1)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
+_MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -132,10 +133,15 @@ class SamplingParams:
             raise ValueError(
                 f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
             )
-        if not isinstance(self.length_penalty, int | float) or self.length_penalty != (
-            self.length_penalty
+        # Beams rank by logprob / length ** length_penalty: a huge exponent overflows the float
+        # (or underflows it to 0) inside the engine loop, which would stop it for every request.
+        if not isinstance(self.length_penalty, int | float) or not (
+            -_MAX_LENGTH_PENALTY <= self.length_penalty <= _MAX_LENGTH_PENALTY
         ):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+            raise ValueError(
+                f"length_penalty must be a number in [-{_MAX_LENGTH_PENALTY:g}, "
+                f"{_MAX_LENGTH_PENALTY:g}], got {self.length_penalty!r}"
+            )
         if self.stop:
             raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if not self.is_greedy or self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0:

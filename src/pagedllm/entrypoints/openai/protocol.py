@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -18,6 +18,38 @@ def random_id(prefix: str) -> str:
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI clients send some we do not use.
     model_config = ConfigDict(extra="ignore")
+
+
+def _check_unicode(data: Any) -> None:
+    """Raise ValueError for a string that is not valid Unicode: JSON's escapes let a body carry
+    a lone surrogate (\\ud800), which no tokenizer can encode nor any response hold. Iterative:
+    a deeply nested body must not hit Python's recursion limit."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"a string holds a lone surrogate ({value[e.start]!a} at index {e.start}): "
+                    "text must be valid Unicode"
+                ) from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+class OpenAIRequest(OpenAIModel):
+    """A request body: every string in it must be valid Unicode (checked before the fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
 
 class ErrorInfo(OpenAIModel):
@@ -41,7 +73,7 @@ class UsageInfo(OpenAIModel):
     total_tokens: int = 0
 
 
-class _SamplingRequest(OpenAIModel):
+class _SamplingRequest(OpenAIRequest):
     """The sampling fields completions and chat share (vLLM's extras included)."""
 
     model: str | None = None
@@ -122,7 +154,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
 
     model: str | None = None
@@ -138,7 +170,7 @@ class TokenizeResponse(OpenAIModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 
