@@ -123,6 +123,7 @@ def write_tiny_llama(
     rope_freqs: np.ndarray | None = None,
     raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
     eot_token_id: int | None = None,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """Write `weights` (HF names and layout) as llama.cpp would: q/k permuted, 2-D weights in
     `qtype` (norms stay F32, as llama.cpp keeps them), with a tokenizer in the metadata.
@@ -149,7 +150,7 @@ def write_tiny_llama(
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+        w.add_chat_template(chat_template)
         if eot_token_id is not None:
             w.add_eot_token_id(eot_token_id)
     raw_tensors = raw_tensors or {}

@@ -79,9 +79,82 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class ChatTemplateSecurityError(jinja2.exceptions.SecurityError, ValueError):
+    """A chat template tried something the sandbox forbids (a ValueError too, so that callers
+    that report bad input, the CLI and the server, show its message)."""
+
+
+_MAX_RESULT = 1_000_000  # items: the longest string or list `*` may build
+
+
+class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+    """jinja's immutable sandbox, stricter in two ways: an unsafe attribute (`x.__class__`) raises
+    at once instead of rendering as an empty string, and `*` / `**` cannot build huge values (a
+    template could otherwise exhaust memory: `'a' * 10**10`)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def unsafe_undefined(self, obj: Any, attribute: str):
+        raise ChatTemplateSecurityError(
+            f"the chat template accessed {attribute!r} of a {type(obj).__name__} object, which "
+            "is not allowed"
+        )
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    if len(seq) * times > _MAX_RESULT:
+                        raise ChatTemplateSecurityError(
+                            f"the chat template tried to build a value of {len(seq) * times} "
+                            f"items (at most {_MAX_RESULT})"
+                        )
+        elif operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 1000:
+                raise ChatTemplateSecurityError(f"the chat template raised a number to {right}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _unsafe_names(tree: jinja2.nodes.Node):
+    """(name, line) of every underscore attribute, item or keyword the template names literally:
+    `x.__class__`, `x['__globals__']`, `x|attr('__init__')`, `namespace(__dict__=...)`."""
+    for node in tree.find_all(jinja2.nodes.Node):
+        name = None
+        if isinstance(node, jinja2.nodes.Getattr | jinja2.nodes.NSRef):
+            name = node.attr
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+            name = node.arg.value
+        elif isinstance(node, jinja2.nodes.Filter) and node.name == "attr" and node.args:
+            arg = node.args[0]
+            name = arg.value if isinstance(arg, jinja2.nodes.Const) else None
+        elif isinstance(node, jinja2.nodes.Keyword):
+            name = node.key
+        if isinstance(name, str) and name.startswith("_"):
+            yield name, node.lineno
+
+
+def check_chat_template(template: str) -> None:
+    """Refuse, before any rendering, a template that names Python internals: chat templates
+    format messages and never need them, while template-injection payloads (reaching `os`
+    through `cycler.__init__.__globals__` and the like) always do. Raises
+    ChatTemplateSecurityError; a syntax error is left for rendering to report."""
+    env = _ChatTemplateEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        tree = env.parse(template)
+    except jinja2.exceptions.TemplateSyntaxError:
+        return
+    for name, line in _unsafe_names(tree):
+        raise ChatTemplateSecurityError(
+            f"the chat template accesses {name!r} (line {line}), a Python internal that no chat "
+            "template needs: this looks like a template-injection attack, so the template is "
+            "refused (nothing was run)"
+        )
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    check_chat_template(template)
+    env = _ChatTemplateEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -137,9 +210,15 @@ def render_chat_template(
     if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
         raise TypeError("tools must be a list of JSON-schema dicts")
     variables = {"documents": None, **plain_data(kwargs)}
-    return compile_chat_template(template).render(
-        messages=chat,
-        tools=plain_data(tools),
-        add_generation_prompt=add_generation_prompt,
-        **variables,
-    )
+    try:
+        return compile_chat_template(template).render(
+            messages=chat,
+            tools=plain_data(tools),
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except ChatTemplateSecurityError:
+        raise
+    except (jinja2.exceptions.SecurityError, OverflowError) as e:  # jinja's own checks
+        # (unsafe calls, mutating the messages, range() beyond 100,000 items)
+        raise ChatTemplateSecurityError(f"the chat template was stopped: {e}") from None

@@ -11,7 +11,7 @@ from typing import Any
 
 import tokenizers
 
-from pagedllm.model_loader.chat_template import render_chat_template
+from pagedllm.model_loader.chat_template import check_chat_template, render_chat_template
 
 
 class Tokenizer:
@@ -36,6 +36,8 @@ class Tokenizer:
         self.unk_token_id = self._id_of(unk_token)
         self.pad_token_id = self._id_of(pad_token)
         self.add_bos_token = bool(add_bos_token) and self.bos_token_id is not None
+        if chat_template is not None:
+            check_chat_template(chat_template)  # a hostile model file fails at load
         self.chat_template = chat_template
         special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         named = (self.bos_token_id, self.eos_token_id, self.unk_token_id, self.pad_token_id)
