@@ -105,6 +105,9 @@ class EngineArgs:
     disable_log_stats: bool = True
     # none | int8 | int4: weight-only quantized projections on torch's CPU kernels
     quantization: str = "none"
+    # Load a HF directory's pickle weights (pytorch_model.bin, *.pt) when it has no safetensors,
+    # with torch.load(weights_only=True); refused by default, as a pickle can carry code.
+    allow_pickle_checkpoints: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:

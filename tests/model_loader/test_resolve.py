@@ -55,9 +55,13 @@ def test_missing_package_names_the_fix():
 
 
 def test_not_a_model(tmp_path):
-    f = tmp_path / "weights.bin"
+    f = tmp_path / "weights.npz"
     f.write_bytes(b"")
     with pytest.raises(ValueError, match="neither a .gguf file nor a model directory"):
+        load_model(str(f))
+    f = tmp_path / "weights.bin"  # a pickle is refused as one
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match="is a pickle checkpoint"):
         load_model(str(f))
     with pytest.raises(ValueError, match="no config.json and 0 .gguf files"):
         load_model(str(tmp_path))

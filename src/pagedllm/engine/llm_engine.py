@@ -72,14 +72,22 @@ class LLMEngine:
         torch.manual_seed(args.seed)
 
         t0 = time.perf_counter()
-        loaded = load_model(args.model, args.tokenizer, keep_int4=args.quantization == "int4")
+        loaded = load_model(
+            args.model,
+            args.tokenizer,
+            keep_int4=args.quantization == "int4",
+            allow_pickle=args.allow_pickle_checkpoints,
+        )
         self.model_name = loaded.name
         self.model_config = config = loaded.config
         self.tokenizer = loaded.tokenizer
         model = get_model_class(config.architecture)(
             config, attention_backend=args.attention_backend
         )
-        model.load_weights(loaded.weights.items())
+        try:
+            model.load_weights(loaded.weights.items())
+        except ValueError as e:  # a tensor of the wrong shape, missing or unknown: name the file
+            raise ValueError(f"{loaded.source or loaded.name}: {e}") from None
         loaded.weights.clear()  # the model holds copies; free these before quantizing
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.weight_bytes = self._quantize(loaded)

@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True,
                        help="reuse the KV blocks of prompt prefixes seen before")  # fmt: skip
+    group.add_argument("--allow-pickle-checkpoints", action="store_true",
+                       help="load a directory's pytorch_model.bin / *.pt weights when it has no "
+                       "safetensors, with torch.load(weights_only=True) (refused by default: a "
+                       "pickle can carry code)")  # fmt: skip
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -15,9 +15,11 @@ subtract it again, since the model takes HF's weights.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import struct
 
 import gguf
 import numpy as np
@@ -25,6 +27,7 @@ import torch
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
+from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
 from pagedllm.model_loader.gguf_int4 import INT4_TYPES, int4_weight_from_gguf
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pagedllm.model_loader.loaded_model import LoadedModel
@@ -65,6 +68,39 @@ _ARCH_LAYER_TENSORS = {
     },
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+# What reading a truncated or corrupt file raises from inside gguf / numpy / struct.
+_CORRUPT = (
+    ValueError, IndexError, KeyError, TypeError, struct.error, OverflowError, EOFError,
+    UnicodeDecodeError, MemoryError,
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _naming(path) -> object:
+    """Errors raised while loading `path` come out as ValueError naming the file (the template
+    security error keeps its type): never a bare IndexError from deep inside a reader."""
+    try:
+        yield
+    except ChatTemplateSecurityError as e:
+        raise ChatTemplateSecurityError(f"{path}: {e}") from None
+    except _CORRUPT as e:
+        why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: {why}") from e
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """gguf.GGUFReader, whose errors on a file that is not GGUF, truncated or corrupt become
+    one ValueError naming the file."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is empty: not a GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except _CORRUPT as e:
+        raise ValueError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from e
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict:
@@ -290,7 +326,12 @@ def load_gguf(path: str | os.PathLike, keep_int4: bool = False) -> LoadedModel:
     keep_int4: also keep the 4-bit tensors (Q4_0 / Q4_1 / Q4_K) as int4 codes, for
     `--quantization int4` to use exactly as stored (they are dequantized all the same, as the
     float model is loaded first)."""
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
+    with _naming(path):
+        return _load_gguf(path, reader, keep_int4)
+
+
+def _load_gguf(path, reader: gguf.GGUFReader, keep_int4: bool) -> LoadedModel:
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
@@ -313,8 +354,16 @@ def load_gguf(path: str | os.PathLike, keep_int4: bool = False) -> LoadedModel:
                 f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
                 "cannot dequantize"
             ) from e
+        except _CORRUPT as e:
+            raise ValueError(f"tensor {t.name} cannot be read: {type(e).__name__}: {e}") from e
         proj = name.split(".")[-2]
         if proj in heads:
+            rows = array.shape[0] if array.ndim == 2 else 0
+            if rows % (2 * heads[proj]):
+                raise ValueError(
+                    f"tensor {t.name} has shape {tuple(array.shape)}: its {rows} rows do not "
+                    f"split into {heads[proj]} heads of (pairs of) rotary dimensions"
+                )
             array = unpermute_from_gguf(array, heads[proj])
         if keep_int4 and t.tensor_type in INT4_TYPES:
             raw = t.data.view(np.ndarray)
@@ -333,15 +382,19 @@ def load_gguf(path: str | os.PathLike, keep_int4: bool = False) -> LoadedModel:
         tokenizer=_tokenizer(meta),
         name=name,
         int4_weights=int4_weights,
+        source=os.fspath(path),
     )
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     """Only the tokenizer of a GGUF file (no tensor is dequantized)."""
-    return _tokenizer(read_metadata(gguf.GGUFReader(path)))
+    reader = open_gguf(path)
+    with _naming(path):
+        return _tokenizer(read_metadata(reader))
 
 
 def load_gguf_config(path: str | os.PathLike) -> ModelArchConfig:
     """Only the architecture (metadata and tensor shapes; no tensor is read)."""
-    reader = gguf.GGUFReader(path)
-    return _config_from_metadata(read_metadata(reader), {t.name: t for t in reader.tensors})
+    reader = open_gguf(path)
+    with _naming(path):
+        return _config_from_metadata(read_metadata(reader), {t.name: t for t in reader.tensors})

@@ -8,18 +8,47 @@ from pathlib import Path
 
 import tokenizers
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
+from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 from pagedllm.models.registry import supported_architectures
 
+# Pickle checkpoints: loading one runs whatever code it carries, so they need an explicit opt-in.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"}
+# config.json keys every supported architecture needs, as positive integers.
+_REQUIRED_INTS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+)  # fmt: skip
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
 
 def _read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A JSON object from `path`; ValueError naming the file if it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _check_config(cfg: dict) -> None:
+    missing = [k for k in _REQUIRED_INTS if k not in cfg]
+    if missing:
+        raise ValueError(f"lacks the required key(s) {', '.join(missing)}")
+    for key in _REQUIRED_INTS + _OPTIONAL_INTS:
+        value = cfg.get(key)
+        if key in cfg and value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None, float]:
@@ -119,6 +148,7 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
     arch = next((a for a in archs if a in supported), None)
     if arch is None:
         raise ValueError(f"architectures {archs} not supported; supported: {', '.join(supported)}")
+    _check_config(cfg)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     theta, scaling, partial_rotary_factor = _rope(cfg)
     sliding_window, layer_types = _sliding_window(arch, cfg)
@@ -154,20 +184,94 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
 def load_hf_config(path: str | os.PathLike) -> ModelArchConfig:
     """From a model directory's config.json, or a config.json path."""
     path = Path(path)
-    return config_from_hf(_read_json(path / "config.json" if path.is_dir() else path))
+    return _config_from_file(path / "config.json" if path.is_dir() else path)
 
 
-def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+def _config_from_file(path: Path) -> ModelArchConfig:
+    try:
+        return config_from_hf(_read_json(path))
+    except (KeyError, TypeError, ValueError) as e:
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ValueError(why if why.startswith(str(path)) else f"{path}: {why}") from None
+
+
+def _index_files(index: Path) -> list[str]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to files")
+    names = sorted(set(weight_map.values()))
+    if any(os.path.basename(n) != n for n in names):  # nothing outside the model directory
+        raise ValueError(f"{index} names files outside its directory")
+    for name in names:
+        if not (index.parent / name).is_file():
+            raise FileNotFoundError(f"{index} lists {name}, which is missing from {index.parent}")
+    return names
+
+
+def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, ValueError, OSError) as e:
+        raise ValueError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): {e}"
+        ) from None
+
+
+def _pickle_files(directory: Path) -> list[str]:
+    for index_name in ("pytorch_model.bin.index.json", "model.bin.index.json"):
+        if (directory / index_name).exists():
+            return _index_files(directory / index_name)
+    return sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.suffix in PICKLE_SUFFIXES and p.name not in _NOT_WEIGHTS and p.is_file()
+    )
+
+
+def _load_pickle_file(path: Path) -> dict[str, torch.Tensor]:
+    """torch.load with weights_only=True: its unpickler builds tensors and plain containers
+    only, and refuses any other object (a payload) instead of running it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError...
+        raise ValueError(
+            f"{path} cannot be loaded as plain tensors (weights_only=True): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(f"{path} does not hold a dict of tensor names to tensors")
+    return state
+
+
+def load_safetensors(directory: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The weights of a HF directory: *.safetensors (sharded too). A directory with only pickle
+    checkpoints (pytorch_model.bin, *.pt, *.pth) is refused unless `allow_pickle`."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(_read_json(index)["weight_map"].values()))
+        files = _index_files(index)
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
+    load = _load_safetensors_file
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+        pickles = _pickle_files(directory)
+        if not pickles:
+            raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+        if not allow_pickle:
+            raise ValueError(
+                f"{directory} holds only pickle checkpoints ({', '.join(pickles)}), and loading "
+                "a pickle can run any code it carries, so they are refused. Convert them to "
+                "safetensors (e.g. save_pretrained(..., safe_serialization=True)), or pass "
+                "--allow-pickle-checkpoints (EngineArgs.allow_pickle_checkpoints) to load them "
+                "with torch.load(weights_only=True), which builds tensors only"
+            )
+        files, load = pickles, _load_pickle_file
     weights: dict[str, torch.Tensor] = {}
     for name in files:
-        weights.update(load_file(directory / name))
+        weights.update(load(directory / name))
     # Old checkpoints store the rotary inv_freq buffer; it's derived from the config, not a weight.
     return {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
 
@@ -192,7 +296,12 @@ def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
     directory = Path(directory)
     if not (directory / "tokenizer.json").exists():
         return None
-    backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise ValueError(
+            f"{directory / 'tokenizer.json'} is not a readable tokenizer: {e}"
+        ) from None
     cfg_path = directory / "tokenizer_config.json"
     tok_cfg = _read_json(cfg_path) if cfg_path.exists() else {}
     special = {}
@@ -206,25 +315,35 @@ def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
         # No flag: follow what tokenizer.json's post-processor does (Llama 3 adds BOS there).
         probe = backend.encode("a", add_special_tokens=True).ids
         add_bos = bool(probe) and probe[0] == backend.token_to_id(special["bos_token"])
-    return Tokenizer(
-        backend,
-        add_bos_token=bool(add_bos),
-        chat_template=_chat_template(directory, tok_cfg),
-        **special,
-    )
+    try:
+        return Tokenizer(
+            backend,
+            add_bos_token=bool(add_bos),
+            chat_template=_chat_template(directory, tok_cfg),
+            **special,
+        )
+    except ChatTemplateSecurityError as e:
+        raise ChatTemplateSecurityError(f"{directory}: {e}") from None
 
 
-def load_hf_dir(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+def load_hf_dir(
+    path: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    allow_pickle: bool = False,
+) -> LoadedModel:
+    """`allow_pickle`: load pytorch_model.bin / *.pt weights (with torch.load(weights_only=True))
+    when the directory has no safetensors; refused by default."""
     directory = Path(path)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(
             f"{directory} has no config.json: not a Hugging Face model directory"
         )
-    config = config_from_hf(_read_json(directory / "config.json"))
-    weights = load_safetensors(directory)
+    config = _config_from_file(directory / "config.json")
+    weights = load_safetensors(directory, allow_pickle)
     return LoadedModel(
         config=config,
         weights=weights,
         tokenizer=load_hf_tokenizer(tokenizer or directory),
         name=directory.name,
+        source=str(directory),
     )

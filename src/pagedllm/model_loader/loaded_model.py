@@ -22,3 +22,4 @@ class LoadedModel:
     # HF weight names -> int4 codes, for weights a GGUF stores as 4-bit groups (only when asked
     # for, see load_gguf's keep_int4); `weights` holds them dequantized all the same.
     int4_weights: dict[str, Int4Weight] = field(default_factory=dict)
+    source: str | None = None  # the file or directory loaded, for error messages

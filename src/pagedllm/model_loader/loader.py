@@ -10,7 +10,12 @@ from pathlib import Path
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.model_loader.gguf_loader import load_gguf, load_gguf_config, load_gguf_tokenizer
-from pagedllm.model_loader.hf_loader import load_hf_config, load_hf_dir, load_hf_tokenizer
+from pagedllm.model_loader.hf_loader import (
+    PICKLE_SUFFIXES,
+    load_hf_config,
+    load_hf_dir,
+    load_hf_tokenizer,
+)
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 
@@ -145,16 +150,27 @@ def load_model_config(model: str | None) -> tuple[ModelArchConfig, str]:
 
 
 def load_model(
-    model: str | None, tokenizer: str | None = None, keep_int4: bool = False
+    model: str | None,
+    tokenizer: str | None = None,
+    keep_int4: bool = False,
+    allow_pickle: bool = False,
 ) -> LoadedModel:
     """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
 
-    keep_int4: also return a GGUF's 4-bit tensors as int4 codes (LoadedModel.int4_weights)."""
+    keep_int4: also return a GGUF's 4-bit tensors as int4 codes (LoadedModel.int4_weights).
+    allow_pickle: a HF directory with only pytorch_model.bin / *.pt weights is loaded (with
+    torch.load(weights_only=True)) instead of refused."""
     path = _model_path(model)
     if path.is_dir():
-        loaded = load_hf_dir(path)
+        loaded = load_hf_dir(path, allow_pickle=allow_pickle)
     elif path.suffix == ".gguf":
         loaded = load_gguf(path, keep_int4=keep_int4)
+    elif path.suffix in PICKLE_SUFFIXES:
+        raise ValueError(
+            f"{path} is a pickle checkpoint: loading one can run any code it carries, and a lone "
+            "file has no config.json either. Convert it to safetensors in a Hugging Face "
+            "directory (config.json + *.safetensors), or a GGUF file"
+        )
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     if tokenizer is not None:
