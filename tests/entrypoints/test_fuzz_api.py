@@ -350,6 +350,15 @@ HOSTILE_BODIES = {
     "token prompt = max_model_len": json.dumps({"prompt": [5] * MAX_MODEL_LEN}).encode(),
     "stop_token_ids 10**30": b'{"prompt": "a", "max_tokens": 2, '
     b'"stop_token_ids": [1000000000000000000000000000000]}',
+    # Numbers that are valid but extreme: they reach the sampler, which must not produce NaN.
+    "Infinity temperature with top_k": b'{"prompt": "a", "max_tokens": 2, "temperature": '
+    b'Infinity, "top_k": 5, "logprobs": 5}',
+    "1e308 temperature with min_p 1": b'{"prompt": "a", "max_tokens": 2, "temperature": 1e308, '
+    b'"min_p": 1.0}',
+    "repetition_penalty 5e-324": b'{"prompt": "a", "max_tokens": 2, "repetition_penalty": 5e-324}',
+    "seed -2**63 with n 3": b'{"prompt": "a", "max_tokens": 2, "n": 3, '
+    b'"seed": -9223372036854775808}',
+    "top_k 10**12": b'{"prompt": "a", "max_tokens": 2, "top_k": 1000000000000}',
     "nested 10,000 deep": b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
     "nested 100,000 deep objects": b'{"prompt": "a", "x": '
     + b'{"a": ' * 100_000
