@@ -4,7 +4,7 @@ The server runs in this process (uvicorn on a thread, the engine on its own), so
 load the engine itself can be inspected: failed requests (from the `bench serve` client), then,
 once idle, the scheduler's and pool's integrity check, the blocks still held (KV usage must be 0:
 blocks kept for the prefix cache count as free), requests left in the engine, and the resident
-memory (RSS) of the process after a warm-up and at the end.
+memory (RSS) of the process after a warm-up and after each quarter of the requests.
 """
 
 from __future__ import annotations
@@ -102,6 +102,20 @@ def leak_report(async_engine) -> dict[str, Any]:
     }
 
 
+def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' counts added up; the latency figures are those of the last round."""
+    merged = dict(parts[-1])
+    for key in ("completed", "failed", "total_input_tokens", "total_output_tokens", "duration_s"):
+        merged[key] = sum(p[key] for p in parts)
+    duration = merged["duration_s"]
+    merged["request_throughput"] = merged["completed"] / duration if duration else 0.0
+    merged["output_throughput"] = merged["total_output_tokens"] / duration if duration else 0.0
+    total = merged["total_input_tokens"] + merged["total_output_tokens"]
+    merged["total_token_throughput"] = total / duration if duration else 0.0
+    merged["errors"] = sorted({e for p in parts for e in p["errors"]})[:5]
+    return merged
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("soak")
     group.add_argument("--num-prompts", type=int, default=1000, help="requests (default: 1000)")
@@ -139,17 +153,25 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             if warmup:
                 asyncio.run(run_benchmark(url, warmup, name, math.inf, ns.max_concurrency))
             wait_idle(engine)
-            rss_start = rss_bytes()
+            rss = [rss_bytes()]
             print(f"{len(requests)} requests, concurrency {ns.max_concurrency}, at {url}")
-            summary = asyncio.run(run_benchmark(url, requests, name, math.inf, ns.max_concurrency))
+            # In four rounds, RSS read after each: a leak grows round after round.
+            bounds = [len(requests) * k // 4 for k in range(5)]
+            parts = []
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                if hi > lo:
+                    run = run_benchmark(url, requests[lo:hi], name, math.inf, ns.max_concurrency)
+                    parts.append(asyncio.run(run))
+                    wait_idle(engine)
+                    rss.append(rss_bytes())
             leaks = leak_report(async_engine)
-            rss_end = rss_bytes()
     finally:
         async_engine.shutdown()
     mib = 1024 * 1024
+    summary = merge_summaries(parts)
     result = {
-        **summary, **leaks, "rss_start_mib": rss_start / mib, "rss_end_mib": rss_end / mib,
-        "rss_growth_mib": (rss_end - rss_start) / mib,
+        **summary, **leaks, "rss_start_mib": rss[0] / mib, "rss_end_mib": rss[-1] / mib,
+        "rss_growth_mib": (rss[-1] - rss[0]) / mib, "rss_after_rounds_mib": [r / mib for r in rss],
     }  # fmt: skip
     print(format_summary(summary))
     for error in summary["errors"]:
@@ -160,6 +182,8 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         print(f"{key + ':':<40}{result[key]!s:>12}")
     for key in ("rss_start_mib", "rss_end_mib", "rss_growth_mib"):
         print(f"{key + ':':<40}{result[key]:>12.1f}")
+    rounds = " ".join(f"{r:.1f}" for r in result["rss_after_rounds_mib"])
+    print(f"{'RSS after warm-up, then each round (MiB):':<40} {rounds}")
     if ns.result_json:
         with open(ns.result_json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **result}, f, indent=2,
