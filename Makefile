@@ -47,4 +47,4 @@ bench: setup
 # or a leak. SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts).
 soak: setup
 	$(VENV)/bin/pagedllm bench soak --num-prompts 2000 --max-concurrency 64 \
-		--kv-cache-memory 256MiB $(SOAK_ARGS)
+		--kv-cache-memory 256MiB --max-model-len 2048 $(SOAK_ARGS)

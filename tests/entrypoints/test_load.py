@@ -351,7 +351,7 @@ def _children(pid: int) -> list[int]:
 def test_sigterm_with_48_streams_open(tiny_gguf):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    grace = 2
+    grace = 1  # 36 streams of 400 tokens cannot finish in 1 s (400 steps a second)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", tiny_gguf, "--port", str(port),
          "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--served-model-name", MODEL,

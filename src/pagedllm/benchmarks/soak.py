@@ -174,6 +174,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         "rss_growth_mib": (rss[-1] - rss[0]) / mib, "rss_after_rounds_mib": [r / mib for r in rss],
     }  # fmt: skip
     print(format_summary(summary))
+    print("(counts and throughput: all rounds; latencies: the last round)")
     for error in summary["errors"]:
         print(f"error: {error}")
     print(f"{'-' * 15}Leak checks{'-' * 15}")
