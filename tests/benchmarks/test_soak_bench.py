@@ -35,6 +35,7 @@ def test_soak_reports_no_failure_and_no_leak(tiny_gguf, tmp_path, capsys):
     assert result["integrity"] == "ok" and result["leaked_blocks"] == 0
     assert result["unfinished_requests"] == 0 and result["open_streams"] == 0
     assert result["rss_start_mib"] > 0 and result["rss_end_mib"] > 0
+    assert len(result["python_objects_after_rounds"]) == 5
 
 
 def test_soak_fails_on_a_leak(tiny_gguf, tmp_path, monkeypatch):

@@ -4,7 +4,8 @@ The server runs in this process (uvicorn on a thread, the engine on its own), so
 load the engine itself can be inspected: failed requests (from the `bench serve` client), then,
 once idle, the scheduler's and pool's integrity check, the blocks still held (KV usage must be 0:
 blocks kept for the prefix cache count as free), requests left in the engine, and the resident
-memory (RSS) of the process after a warm-up and after each quarter of the requests.
+memory (RSS) and the number of Python objects of the process after a warm-up and after each
+quarter of the requests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import socket
@@ -69,6 +71,13 @@ def serve_in_thread(async_engine, served_model_name: str, **app_kwargs) -> Itera
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def _num_objects() -> int:
+    """Objects the garbage collector tracks, after a collection: leaked Python state grows it,
+    native allocator churn does not."""
+    gc.collect()
+    return len(gc.get_objects())
 
 
 def wait_idle(engine, timeout: float = 120.0) -> bool:
@@ -153,7 +162,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             if warmup:
                 asyncio.run(run_benchmark(url, warmup, name, math.inf, ns.max_concurrency))
             wait_idle(engine)
-            rss = [rss_bytes()]
+            rss, objects = [rss_bytes()], [_num_objects()]
             print(f"{len(requests)} requests, concurrency {ns.max_concurrency}, at {url}")
             # In four rounds, RSS read after each: a leak grows round after round.
             bounds = [len(requests) * k // 4 for k in range(5)]
@@ -164,6 +173,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
                     parts.append(asyncio.run(run))
                     wait_idle(engine)
                     rss.append(rss_bytes())
+                    objects.append(_num_objects())
             leaks = leak_report(async_engine)
     finally:
         async_engine.shutdown()
@@ -172,6 +182,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     result = {
         **summary, **leaks, "rss_start_mib": rss[0] / mib, "rss_end_mib": rss[-1] / mib,
         "rss_growth_mib": (rss[-1] - rss[0]) / mib, "rss_after_rounds_mib": [r / mib for r in rss],
+        "python_objects_after_rounds": objects,
     }  # fmt: skip
     print(format_summary(summary))
     print("(counts and throughput: all rounds; latencies: the last round)")
@@ -185,6 +196,8 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         print(f"{key + ':':<40}{result[key]:>12.1f}")
     rounds = " ".join(f"{r:.1f}" for r in result["rss_after_rounds_mib"])
     print(f"{'RSS after warm-up, then each round (MiB):':<40} {rounds}")
+    counts = " ".join(str(n) for n in objects)
+    print(f"{'Python objects after warm-up, then each round:':<40} {counts}")
     if ns.result_json:
         with open(ns.result_json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **result}, f, indent=2,
