@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 PROMPT ?= Explain in two sentences why paging the KV cache helps an LLM server.
 
-.PHONY: setup serve generate chat test test-fast lint bench
+.PHONY: setup serve generate chat test test-fast lint bench soak
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,3 +41,10 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 48 --baseline hf
+
+# Thousands of streams through an in-process server, then the leak checks (failed requests,
+# blocks still held, pool integrity, resident memory at start and end); exits 1 on a failure
+# or a leak. SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts).
+soak: setup
+	$(VENV)/bin/pagedllm bench soak --num-prompts 2000 --max-concurrency 64 \
+		--kv-cache-memory 256MiB --max-model-len 2048 $(SOAK_ARGS)

@@ -290,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         quantization,
         sharing,
         sliding_window,
+        soak,
         throughput,
     )
     from pagedllm.benchmarks import serve as serve_bench
@@ -307,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
          "layers' blocks released vs kept (default model: gemma3-270m)"),
         ("quantization", quantization, "float32, bfloat16, int8 and int4 weights: memory, "
          "decode and batched speed, accuracy against float32"),
+        ("soak", soak, "thousands of streams through an in-process HTTP server, then the "
+         "checks: failed requests, leaked blocks, pool integrity, resident memory"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)
