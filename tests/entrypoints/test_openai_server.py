@@ -43,6 +43,8 @@ class Server:
             env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
+        key = (env or {}).get("PAGEDLLM_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # /metrics needs it
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         deadline = time.time() + 120
@@ -79,7 +81,7 @@ class Server:
         return self.log
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=5).text
         values = {}
         for line in text.splitlines():
             if line.startswith("pagedllm:"):

@@ -33,8 +33,6 @@ from pagedllm.entrypoints.openai.serving import (
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
-_MAX_TOP_LOGPROBS = 20
-
 
 def _logprob(lp: Logprob) -> ChatLogProb:
     token = lp.decoded_token or ""
@@ -99,10 +97,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(
                     "when using top_logprobs, logprobs must be set to true", param="top_logprobs"
                 )
-            if not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS:
+            if not 0 <= body.top_logprobs <= self.limits.max_logprobs:
                 raise OpenAIError(
-                    f"top_logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS}], "
-                    f"got {body.top_logprobs}",
+                    f"top_logprobs must be an integer in [0, {self.limits.max_logprobs}] "
+                    f"(--max-logprobs), got {body.top_logprobs}",
                     param="top_logprobs",
                 )
         if not body.logprobs:
@@ -117,11 +115,13 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = body.max_tokens
         params = self.make_params(body.sampling_params, max_tokens, num_logprobs)
+        self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
         prompt = self._prompt(body)
         self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id("chatcmpl")
+        self.log_request(request_id, [prompt], params)
         gens = self.generators([prompt], params, request_id, delta=body.stream)
         if body.stream:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.

@@ -79,6 +79,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
+        if len(prompt) > self.limits.max_prompts:
+            raise OpenAIError(
+                f"the request has {len(prompt)} prompts; this server allows at most "
+                f"{self.limits.max_prompts} (--max-prompts)",
+                param="prompt",
+            )
         prompts = []
         for p in prompt:
             if isinstance(p, str):
@@ -111,12 +117,14 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs  # the echoed prompt gets logprobs too
+        self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
         prompts = self._prompts(body.prompt)
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id("cmpl")
+        self.log_request(request_id, prompts, params)
         gens = self.generators(prompts, params, request_id, delta=body.stream)
         if body.stream:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
