@@ -437,7 +437,7 @@ def _error(response, status):
         ("completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of must be"),
         ("completions", {"prompt": "x", "n": "two"}, 400, "n: Input should be a valid integer"),
         ("completions", {"prompt": "x", "seed": 2**64}, 400, "seed must be a 64-bit"),
-        ("completions", {"prompt": "x", "n": 10**6}, 400, "max_num_seqs"),
+        ("completions", {"prompt": "x", "n": 10**6}, 400, "at most 16 (--max-n)"),
         ("completions", {"prompt": "x", "top_k": 10**12, "max_tokens": 10**12}, 400,
          "maximum context length"),
         ("completions", {"prompt": 3}, 400, "prompt"),
