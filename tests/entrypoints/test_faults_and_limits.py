@@ -25,6 +25,7 @@ from pagedllm.engine import llm_engine
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.cli import build_parser
+from pagedllm.entrypoints.openai import serving_completion
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.serving import ServerLimits
 from tests.conftest import save_tiny_llama
@@ -226,6 +227,30 @@ def test_a_fault_in_an_open_stream_ends_it_with_an_error_event(server, monkeypat
     assert server.wait_idle()["kv_cache_usage"] == 0 and server.engine.is_running
 
 
+def test_a_fault_formatting_one_answer_is_a_500_naming_it(server, monkeypatch):
+    """The HTTP layer's own per-request work (logprobs in OpenAI's format) raising."""
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("injected formatting fault")
+
+    monkeypatch.setattr(serving_completion, "completion_logprobs", broken)
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": GOOD[0], "max_tokens": 3, "logprobs": 2}
+    with httpx.Client(timeout=TIMEOUT) as http:
+        error = _error(http.post(url, json=body), 500, "injected formatting fault")
+        assert error["message"].startswith("request cmpl-")
+        with http.stream("POST", url, json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            events = list(_sse_events(response))
+        assert events[-1] == "[DONE]" and len(events) == 2
+        error = json.loads(events[0])["error"]
+        assert error["code"] == 500 and error["message"].startswith("request cmpl-")
+        assert "injected formatting fault" in error["message"]
+        # Without logprobs (nothing to format) the same request is served.
+        assert http.post(url, json={**body, "logprobs": None}).status_code == 200
+    assert server.wait_idle()["kv_cache_usage"] == 0
+
+
 def test_a_dead_engine_loop_gives_503s_and_nothing_hangs(tiny_model, monkeypatch):
     s = InProcessServer(_engine(tiny_model))
     runner = s.engine.engine.runner
@@ -369,7 +394,7 @@ def test_limit_and_security_flag_defaults():
     ns = build_parser().parse_args(["serve"])
     assert ns.host == "127.0.0.1"  # loopback unless told otherwise
     assert (ns.max_request_body_bytes, ns.max_n, ns.max_logprobs) == (8 << 20, 16, 20)
-    assert (ns.max_stop, ns.max_prompts, ns.max_waiting_requests) == (64, 128, None)
+    assert (ns.max_stop, ns.max_prompts, ns.max_waiting_requests) == (64, 128, 1024)
     assert not ns.enable_log_requests and not ns.disable_metrics_auth and ns.api_key is None
     ns = build_parser().parse_args(["serve", "--max-request-body-bytes", "1MiB"])
     assert ns.max_request_body_bytes == 1 << 20

@@ -326,10 +326,17 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def stream_error(e: BaseException) -> str:
+def request_failed(request_id: str, e: BaseException) -> OpenAIError:
+    """A failure while answering one request (not bad input): a 500 that names it."""
+    if isinstance(e, OpenAIError):
+        return e
+    logger.error("request %s failed: %r", request_id, e, exc_info=e)
+    return OpenAIError(f"request {request_id} failed: {e!r}", 500)
+
+
+def stream_error(e: BaseException, request_id: str) -> str:
     """An error after a stream started (its status already sent), as an in-band event."""
     error = engine_error(e)
-    if isinstance(error, OpenAIError):
-        return json.dumps(error.body())
-    logger.exception("a streaming request failed", exc_info=e)
-    return json.dumps(error_body(f"internal error: {e!r}", 500))
+    if not isinstance(error, OpenAIError):
+        error = request_failed(request_id, e)
+    return json.dumps(error.body())

@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
     engine_error,
+    request_failed,
     sse,
     stream_error,
     unless_disconnected,
@@ -139,7 +140,10 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(e) from None
         if finals is None:
             return JSONResponse({}, status_code=499)
-        return self._response(body, request_id, finals[0], num_logprobs)
+        try:
+            return self._response(body, request_id, finals[0], num_logprobs)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
 
     def _choice_logprobs(self, c: CompletionOutput, num_logprobs: int | None):
         if num_logprobs is None or c.logprobs is None:
@@ -207,5 +211,5 @@ class OpenAIServingChat(OpenAIServing):
                 chunk = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e))
+            yield sse(stream_error(e, request_id))
         yield sse("[DONE]")

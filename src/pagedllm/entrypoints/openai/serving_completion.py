@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
     engine_error,
+    request_failed,
     sse,
     stream_error,
     unless_disconnected,
@@ -142,7 +143,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise engine_error(e) from None
         if finals is None:  # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        return self._response(body, request_id, prompts, finals)
+        try:
+            return self._response(body, request_id, prompts, finals)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
 
     def _choice_logprobs(self, body, c: CompletionOutput, offset: int, echoed=None):
         """`echoed`: the RequestOutput whose prompt is echoed in front of this text, if any."""
@@ -235,5 +239,5 @@ class OpenAIServingCompletion(OpenAIServing):
                 chunk = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e))
+            yield sse(stream_error(e, request_id))
         yield sse("[DONE]")
