@@ -196,6 +196,46 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     assert server.engine.is_running and not server.engine.engine._states
 
 
+def test_offline_a_failing_request_fails_alone_in_the_batch(tiny_model, monkeypatch):
+    """The engine itself (LLM.generate, no server): the failed request's output carries the
+    error, the rest of the batch is what it is without the fault, and the pool is whole."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model, tokenizer=TOKENIZER, device="cpu", max_model_len=256,
+              kv_cache_memory="16MiB")  # fmt: skip
+    engine = llm.llm_engine
+    prompts = [{"prompt_token_ids": p} for p in [*GOOD, POISON]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=24, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["zz"]),
+    ]
+    before = llm.generate(prompts, params, use_tqdm=False)
+
+    class LateFault(IncrementalDetokenizer):
+        def __init__(self, tokenizer, prompt_token_ids, params):
+            super().__init__(tokenizer, prompt_token_ids, params)
+            self.poisoned = list(prompt_token_ids) == POISON
+
+        def update(self, new_token_ids, stop_terminated=False):
+            if self.poisoned and self.num_tokens >= 5:
+                raise RuntimeError("injected offline fault")
+            return super().update(new_token_ids, stop_terminated)
+
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", LateFault)
+    after = llm.generate(prompts, params, use_tqdm=False)
+    for ok, again in zip(before[:4], after[:4], strict=True):
+        assert again.error is None
+        assert [(c.text, c.token_ids) for c in again.outputs] == [
+            (c.text, c.token_ids) for c in ok.outputs
+        ]
+    failed = after[4]
+    assert failed.finished and failed.outputs == [] and "injected offline fault" in failed.error
+    assert failed.error.startswith(f"request {failed.request_id} failed")
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert not engine.has_unfinished_requests() and not engine._states
+
+
 def test_a_fault_in_an_open_stream_ends_it_with_an_error_event(server, monkeypatch):
     """The fault on a later token: the stream has started, so the error comes in-band."""
 
@@ -394,7 +434,7 @@ def test_limit_and_security_flag_defaults():
     ns = build_parser().parse_args(["serve"])
     assert ns.host == "127.0.0.1"  # loopback unless told otherwise
     assert (ns.max_request_body_bytes, ns.max_n, ns.max_logprobs) == (8 << 20, 16, 20)
-    assert (ns.max_stop, ns.max_prompts, ns.max_waiting_requests) == (64, 128, 1024)
+    assert (ns.max_stop, ns.max_prompts, ns.max_waiting_requests) == (64, 128, None)
     assert not ns.enable_log_requests and not ns.disable_metrics_auth and ns.api_key is None
     ns = build_parser().parse_args(["serve", "--max-request-body-bytes", "1MiB"])
     assert ns.max_request_body_bytes == 1 << 20
