@@ -434,7 +434,7 @@ def test_limit_and_security_flag_defaults():
     ns = build_parser().parse_args(["serve"])
     assert ns.host == "127.0.0.1"  # loopback unless told otherwise
     assert (ns.max_request_body_bytes, ns.max_n, ns.max_logprobs) == (8 << 20, 16, 20)
-    assert (ns.max_stop, ns.max_prompts, ns.max_waiting_requests) == (64, 128, None)
+    assert (ns.max_stop, ns.max_prompts, ns.max_waiting_requests) == (64, 128, 1024)
     assert not ns.enable_log_requests and not ns.disable_metrics_auth and ns.api_key is None
     ns = build_parser().parse_args(["serve", "--max-request-body-bytes", "1MiB"])
     assert ns.max_request_body_bytes == 1 << 20

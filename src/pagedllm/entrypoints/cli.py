@@ -278,10 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip
-    serve.add_argument("--max-num-queued-reqs", "--max-waiting-requests", type=int, default=None,
+    serve.add_argument("--max-num-queued-reqs", "--max-waiting-requests", type=int, default=1024,
                        dest="max_waiting_requests",
-                       help="refuse requests with 503 while this many wait to be scheduled "
-                            "(default: no bound)")  # fmt: skip
+                       help="refuse requests with 503 while this many wait to be scheduled; "
+                            "0: no bound (default: 1024)")  # fmt: skip
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                        help="on Ctrl-C / SIGTERM, seconds running requests get to finish before "
                             "the engine stops (default: 5)")  # fmt: skip
