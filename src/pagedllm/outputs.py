@@ -73,6 +73,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None)
+    # Set when processing this request's output failed: the request was stopped and its blocks
+    # freed, the others went on; `outputs` is then empty.
+    error: str | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
 _MAX_LENGTH_PENALTY = 10.0
+MAX_LOGPROBS = 20  # logprobs / prompt_logprobs per token, at most (as vLLM's default)
 
 
 @dataclass
@@ -106,8 +107,8 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
-                raise bad(name, "must be an integer in [0, 20]")
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -43,6 +43,8 @@ class Server:
             env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
+        key = (env or {}).get("PAGEDLLM_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # /metrics needs it
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         deadline = time.time() + 120
@@ -79,7 +81,7 @@ class Server:
         return self.log
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=5).text
         values = {}
         for line in text.splitlines():
             if line.startswith("pagedllm:"):
@@ -375,7 +377,9 @@ def test_client_disconnect_aborts_the_request(server):
             "POST", f"{server.url}/v1/completions", json={**long, "stream": True}
         ) as response:
             assert response.status_code == 200
-            for i, _ in enumerate(response.iter_lines()):
+            # Held: a dropped line iterator is closed at once, and closes the connection.
+            lines = response.iter_lines()
+            for i, _ in enumerate(lines):
                 if i >= 6:
                     break
             assert server.metrics()["pagedllm:num_requests_running"] == 1
@@ -435,7 +439,7 @@ def _error(response, status):
         ("completions", {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of must be"),
         ("completions", {"prompt": "x", "n": "two"}, 400, "n: Input should be a valid integer"),
         ("completions", {"prompt": "x", "seed": 2**64}, 400, "seed must be a 64-bit"),
-        ("completions", {"prompt": "x", "n": 10**6}, 400, "max_num_seqs"),
+        ("completions", {"prompt": "x", "n": 10**6}, 400, "at most 16 (--max-n)"),
         ("completions", {"prompt": "x", "top_k": 10**12, "max_tokens": 10**12}, 400,
          "maximum context length"),
         ("completions", {"prompt": 3}, 400, "prompt"),

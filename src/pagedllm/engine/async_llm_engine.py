@@ -5,6 +5,8 @@ loop applies between two steps. So an abort never lands between scheduling a ste
 (the blocks a scheduled step registers in the prefix cache are always written), and the engine
 needs no locks. Outputs reach each request's asyncio queue through its event loop. If a step
 raises, the loop stops, every open stream gets an `EngineDeadError`, and so does every later call.
+A failure tied to one request (adding it, or processing its output) ends that request only, with
+a `RequestFailedError`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ logger = logging.getLogger("pagedllm")
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; nothing more can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing one request's output raised: that request stopped, the engine goes on."""
 
 
 @dataclass
@@ -72,6 +78,12 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        # The loop may have died (or been stopped) between the check above and registering the
+        # stream, after telling the streams it knew of: nobody would answer this one.
+        if self.dead_error is not None or self._stopping or not self._thread.is_alive():
+            self._streams.pop(request_id, None)
+            self.check_health()
+            raise EngineDeadError("the server is shutting down")
         self._commands.put(("add", request_id, prompt, params, time.time(), delta, cache_salt))
         finished = False
         try:
@@ -110,7 +122,11 @@ class AsyncLLMEngine:
                 if engine.has_unfinished_requests():
                     for output in engine.step():
                         stream = self._streams.get(output.request_id)
-                        if stream is not None:
+                        if stream is None:
+                            continue
+                        if output.error is not None:
+                            stream.put(RequestFailedError(output.error))
+                        else:
                             stream.put(output)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the clients
             logger.exception("the engine loop died")
@@ -147,3 +163,9 @@ class AsyncLLMEngine:
                 engine.add_request(request_id, prompt, params, arrival, delta, cache_salt)
             except ValueError as e:
                 self._streams[request_id].put(e)
+            except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
+                logger.error("request %s failed: %r", request_id, e, exc_info=e)
+                engine.abort_request(request_id)
+                self._streams[request_id].put(
+                    RequestFailedError(f"request {request_id} failed: {e!r}")
+                )

@@ -382,28 +382,64 @@ class LLMEngine:
             len(ids) for ids in runner_output.sampled_token_ids.values()
         ) + len(runner_output.beam_candidates)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
+        # From here on, work is per request: a failure fails that request only (see _fail).
+        failed: dict[str, RequestOutput] = {}
         if runner_output.prompt_logprobs:
             request_ids = {s.seq_id: s.request_id for s in scheduler_output.scheduled_requests}
             for seq_id, records in runner_output.prompt_logprobs.items():
                 state = self._states.get(request_ids[seq_id])
-                if state is not None:
+                if state is None:
+                    continue
+                try:
                     for position, record in records:
                         state.prompt_logprobs[position] = self._logprob_dict(record)
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    failed[state.group.request_id] = self._fail(state.group, e)
 
         now = time.time()
-        outputs = []
         for group in groups:
-            state = self._states[group.request_id]
+            state = self._states.get(group.request_id)
+            if state is None:
+                continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
             if not group.is_beam_search:
-                self._process_samples(state)
+                try:
+                    self._process_samples(state)
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    failed[group.request_id] = self._fail(group, e)
+        outputs = list(failed.values())
         for group in groups:
-            output = self._make_output(self._states[group.request_id], now)
+            state = self._states.get(group.request_id)
+            if state is None:
+                continue
+            try:
+                output = self._make_output(state, now)
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                output = self._fail(group, e)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
+        """Stop one request whose output processing raised (detokenizing, stop strings,
+        logprobs): its blocks are freed, and its final output carries the error. The batch's
+        other requests go on. (A failure in the batched model run or sampler is not tied to one
+        request: it propagates, and the async engine stops.)"""
+        request_id = group.request_id
+        logger.error("request %s failed: %r", request_id, error, exc_info=error)
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self._states.pop(request_id, None)
+        first = group.first
+        return RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[],
+            finished=True,
+            error=f"request {request_id} failed: {error!r}",
+        )
 
     def _warn_preemption(self) -> None:
         """Like vLLM: the first preemption and every 50th after it are logged."""

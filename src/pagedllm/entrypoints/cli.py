@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, parse_bytes
 
 # flag -> (EngineArgs field, type, help). Names follow vLLM's.
 _ENGINE_FLAGS = {
@@ -166,6 +166,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     chat_template = _chat_template_arg(ns.chat_template)
+    from pagedllm.entrypoints.openai.serving import ServerLimits
+
+    limits = ServerLimits(
+        max_request_body_bytes=ns.max_request_body_bytes or None,
+        max_n=ns.max_n,
+        max_logprobs=ns.max_logprobs,
+        max_stop=ns.max_stop,
+        max_prompts=ns.max_prompts,
+    )
     engine = LLMEngine(engine_args_from(ns))
     name = ns.served_model_name or ns.model or engine.model_name
     run_server(
@@ -176,8 +185,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key,
         chat_template=chat_template,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
-        max_waiting_requests=ns.max_waiting_requests,
+        max_waiting_requests=ns.max_waiting_requests or None,
         grace=ns.graceful_shutdown_timeout,
+        limits=limits,
+        metrics_need_api_key=not ns.disable_metrics_auth,
+        log_requests=ns.enable_log_requests,
     )
     return 0
 
@@ -243,13 +255,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="the model's name in the API (default: MODEL)")  # fmt: skip
     serve.add_argument("--api-key", default=None,
-                       help="require this Bearer key on /v1 (or $PAGEDLLM_API_KEY)")  # fmt: skip
+                       help="require this Bearer key on every route but /health (or "
+                            "$PAGEDLLM_API_KEY)")  # fmt: skip
+    serve.add_argument("--disable-metrics-auth", action="store_true",
+                       help="with --api-key, leave /metrics open too (for a scraper)")  # fmt: skip
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's prompts and sampling parameters (off: prompts "
+                            "are never logged)")  # fmt: skip
+    limits = serve.add_argument_group("limits on one request (beyond them: 400, or 413)")
+    limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=8 << 20,
+                        help="largest request body, in bytes or with a unit; 0: no limit "
+                             "(default: 8MiB)")  # fmt: skip
+    limits.add_argument("--max-n", type=int, default=16,
+                        help="most sequences one request runs: n, best_of or beam width "
+                             "(default: 16)")  # fmt: skip
+    limits.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs / top_logprobs per token (default: 20)")  # fmt: skip
+    limits.add_argument("--max-stop", type=int, default=64,
+                        help="most stop strings, and stop token ids, per request "
+                             "(default: 64)")  # fmt: skip
+    limits.add_argument(
+        "--max-prompts",
+        type=int,
+        default=128,
+        help="most prompts in one /v1/completions request (default: 128)",
+    )
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip
-    serve.add_argument("--max-num-queued-reqs", "--max-waiting-requests", type=int, default=None,
+    serve.add_argument("--max-num-queued-reqs", "--max-waiting-requests", type=int, default=1024,
                        dest="max_waiting_requests",
-                       help="refuse requests with 503 while this many wait to be scheduled "
-                            "(default: no bound)")  # fmt: skip
+                       help="refuse requests with 503 while this many wait to be scheduled; "
+                            "0: no bound (default: 1024)")  # fmt: skip
     serve.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                        help="on Ctrl-C / SIGTERM, seconds running requests get to finish before "
                             "the engine stops (default: 5)")  # fmt: skip

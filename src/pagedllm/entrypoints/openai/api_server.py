@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
@@ -29,7 +30,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
+from pagedllm.entrypoints.openai.serving import OpenAIError, ServerLimits, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -53,6 +54,59 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+class BodySizeLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413, from its Content-Length
+    before anything is read, or as soon as the bytes received pass the limit (a chunked body),
+    so at most `limit` bytes are ever held. The app then reads the buffered body."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._refuse(send, length.decode(errors="replace"))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived: nobody to answer
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(send, f"more than {size}")
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # then what follows the body: a disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: str) -> None:
+        message = (
+            f"the request body ({size} bytes) is larger than this server accepts: "
+            f"{self.limit} bytes (--max-request-body-bytes)"
+        )
+        await JSONResponse(error_body(message, 413), status_code=413)(
+            {"type": "http"}, _no_body, send
+        )
+
+
+async def _no_body():
+    return {"type": "http.disconnect"}
+
+
 def build_app(
     async_engine: AsyncLLMEngine,
     served_model_name: str,
@@ -60,10 +114,17 @@ def build_app(
     chat_template: str | None = None,
     log_stats_interval: float | None = None,
     max_waiting_requests: int | None = None,
+    limits: ServerLimits | None = None,
+    metrics_need_api_key: bool = True,
+    log_requests: bool = False,
 ) -> FastAPI:
     """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines);
-    `max_waiting_requests`: a request that would queue more is refused with 503."""
+    `max_waiting_requests`: a request that would queue more is refused with 503; `limits`:
+    what one request may ask for; with an `api_key`, every route but /health needs it (and
+    /metrics unless `metrics_need_api_key` is False); `log_requests`: log each request's
+    prompts and parameters (off: prompts never reach the log)."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    limits = limits or ServerLimits()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -79,7 +140,10 @@ def build_app(
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
     metrics = RequestMetrics(registry, served_model_name)
-    serving = (async_engine, served_model_name, chat_template, metrics, max_waiting_requests)
+    serving = (
+        async_engine, served_model_name, chat_template, metrics, max_waiting_requests, limits,
+        log_requests,
+    )  # fmt: skip
     completions = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving)
     app.state.async_engine = async_engine
@@ -105,16 +169,23 @@ def build_app(
         return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
 
     if api_key:
+        open_paths = {"/health"} if metrics_need_api_key else {"/health", "/metrics"}
+        # Digests of equal length, compared in constant time: how long a check takes says
+        # nothing about the key, not even its length.
+        expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                expected = f"Bearer {api_key}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
+            if request.method != "OPTIONS" and request.url.path not in open_paths:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(hashlib.sha256(given).digest(), expected):
                     body = error_body("invalid or missing API key", 401)
                     return JSONResponse(body, status_code=401)
             return await call_next(request)
+
+    if limits.max_request_body_bytes is not None:
+        # Added last, so outermost: nothing behind it ever reads an unbounded body.
+        app.add_middleware(BodySizeLimit, limit=limits.max_request_body_bytes)
 
     @app.get("/health")
     async def health():
@@ -210,6 +281,9 @@ def run_server(
     log_stats_interval: float | None = 10.0,
     max_waiting_requests: int | None = None,
     grace: float = 5.0,
+    limits: ServerLimits | None = None,
+    metrics_need_api_key: bool = True,
+    log_requests: bool = False,
 ) -> None:
     """Serve until Ctrl-C or SIGTERM (uvicorn's handlers): running requests get `grace`
     seconds to finish, then the engine loop stops."""
@@ -220,6 +294,9 @@ def run_server(
         chat_template,
         log_stats_interval,
         max_waiting_requests,
+        limits,
+        metrics_need_api_key,
+        log_requests,
     )
     # uvicorn cancels what still runs 5 s after the engine stopped (a backstop).
     config = uvicorn.Config(

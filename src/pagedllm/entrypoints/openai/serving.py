@@ -6,15 +6,16 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
@@ -23,10 +24,36 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for (each a `serve` flag): beyond it, a 400 (413 for the body)."""
+
+    max_request_body_bytes: int | None = 8 << 20
+    max_n: int = 16  # n, best_of or the beam width: sequences one request runs
+    max_logprobs: int = 20  # logprobs / top_logprobs, and the prompt's with echo
+    max_stop: int = 64  # stop strings, and stop token ids, each
+    max_prompts: int = 128  # prompts in one completions request
+
+    def __post_init__(self) -> None:
+        body = self.max_request_body_bytes
+        if body is not None and body < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {body}")
+        for name, low in (("max_n", 1), ("max_stop", 0), ("max_prompts", 1)):
+            if getattr(self, name) < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= {low}, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit), "
+                f"got {self.max_logprobs}"
+            )
 
 
 class OpenAIError(Exception):
@@ -55,8 +82,12 @@ class OpenAIServing:
         chat_template: str | None,
         metrics: RequestMetrics | None = None,
         max_waiting_requests: int | None = None,
+        limits: ServerLimits | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.async_engine = async_engine
+        self.limits = limits or ServerLimits()
+        self.log_requests = log_requests
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.engine = async_engine.engine
@@ -109,6 +140,40 @@ class OpenAIServing:
                 "completion.",
                 param="max_tokens",
             )
+
+    def check_limits(self, params: SamplingParams) -> None:
+        """The server's per-request limits (`ServerLimits`) on checked SamplingParams."""
+        limits = self.limits
+        if params.num_sequences > limits.max_n:
+            raise OpenAIError(
+                f"the request runs {params.num_sequences} sequences (n, best_of or beam width); "
+                f"this server allows at most {limits.max_n} (--max-n)",
+                param="best_of" if params.best_of is not None else "n",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limits.max_logprobs:
+                raise OpenAIError(
+                    f"{name} must be at most {limits.max_logprobs} (--max-logprobs), got {value}",
+                    param="logprobs",
+                )
+        for name in ("stop", "stop_token_ids"):
+            count = len(getattr(params, name))
+            if count > limits.max_stop:
+                raise OpenAIError(
+                    f"{name} has {count} entries; this server allows at most {limits.max_stop} "
+                    "(--max-stop)",
+                    param=name,
+                )
+
+    def log_request(self, request_id: str, prompts: list[dict], params: SamplingParams) -> None:
+        """Prompts go to the log only with --enable-log-requests; ids and sizes always may."""
+        if self.log_requests:
+            for i, prompt in enumerate(prompts):
+                logger.info(
+                    "request %s-%d: prompt %r, prompt_token_ids %s, params %s",
+                    request_id, i, prompt["prompt"], prompt["prompt_token_ids"], params,
+                )  # fmt: skip
 
     @staticmethod
     def make_params(build, *args) -> SamplingParams:
@@ -172,6 +237,8 @@ def engine_error(e: BaseException) -> BaseException:
         return OpenAIError(str(e))
     if isinstance(e, EngineDeadError):
         return OpenAIError(str(e), 503)
+    if isinstance(e, RequestFailedError):  # the message names the request
+        return OpenAIError(str(e), 500)
     return e
 
 
@@ -259,10 +326,17 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def stream_error(e: BaseException) -> str:
+def request_failed(request_id: str, e: BaseException) -> OpenAIError:
+    """A failure while answering one request (not bad input): a 500 that names it."""
+    if isinstance(e, OpenAIError):
+        return e
+    logger.error("request %s failed: %r", request_id, e, exc_info=e)
+    return OpenAIError(f"request {request_id} failed: {e!r}", 500)
+
+
+def stream_error(e: BaseException, request_id: str) -> str:
     """An error after a stream started (its status already sent), as an in-band event."""
     error = engine_error(e)
-    if isinstance(error, OpenAIError):
-        return json.dumps(error.body())
-    logger.exception("a streaming request failed", exc_info=e)
-    return json.dumps(error_body(f"internal error: {e!r}", 500))
+    if not isinstance(error, OpenAIError):
+        error = request_failed(request_id, e)
+    return json.dumps(error.body())

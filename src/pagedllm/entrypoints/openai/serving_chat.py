@@ -27,13 +27,12 @@ from pagedllm.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
     engine_error,
+    request_failed,
     sse,
     stream_error,
     unless_disconnected,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-
-_MAX_TOP_LOGPROBS = 20
 
 
 def _logprob(lp: Logprob) -> ChatLogProb:
@@ -99,10 +98,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(
                     "when using top_logprobs, logprobs must be set to true", param="top_logprobs"
                 )
-            if not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS:
+            if not 0 <= body.top_logprobs <= self.limits.max_logprobs:
                 raise OpenAIError(
-                    f"top_logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS}], "
-                    f"got {body.top_logprobs}",
+                    f"top_logprobs must be an integer in [0, {self.limits.max_logprobs}] "
+                    f"(--max-logprobs), got {body.top_logprobs}",
                     param="top_logprobs",
                 )
         if not body.logprobs:
@@ -117,11 +116,13 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = body.max_tokens
         params = self.make_params(body.sampling_params, max_tokens, num_logprobs)
+        self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
         prompt = self._prompt(body)
         self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id("chatcmpl")
+        self.log_request(request_id, [prompt], params)
         gens = self.generators([prompt], params, request_id, delta=body.stream)
         if body.stream:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
@@ -139,7 +140,10 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(e) from None
         if finals is None:
             return JSONResponse({}, status_code=499)
-        return self._response(body, request_id, finals[0], num_logprobs)
+        try:
+            return self._response(body, request_id, finals[0], num_logprobs)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
 
     def _choice_logprobs(self, c: CompletionOutput, num_logprobs: int | None):
         if num_logprobs is None or c.logprobs is None:
@@ -207,5 +211,5 @@ class OpenAIServingChat(OpenAIServing):
                 chunk = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e))
+            yield sse(stream_error(e, request_id))
         yield sse("[DONE]")

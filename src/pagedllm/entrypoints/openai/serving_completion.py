@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
     engine_error,
+    request_failed,
     sse,
     stream_error,
     unless_disconnected,
@@ -79,6 +80,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
+        if len(prompt) > self.limits.max_prompts:
+            raise OpenAIError(
+                f"the request has {len(prompt)} prompts; this server allows at most "
+                f"{self.limits.max_prompts} (--max-prompts)",
+                param="prompt",
+            )
         prompts = []
         for p in prompt:
             if isinstance(p, str):
@@ -111,12 +118,14 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs  # the echoed prompt gets logprobs too
+        self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
         prompts = self._prompts(body.prompt)
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id("cmpl")
+        self.log_request(request_id, prompts, params)
         gens = self.generators(prompts, params, request_id, delta=body.stream)
         if body.stream:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
@@ -134,7 +143,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise engine_error(e) from None
         if finals is None:  # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        return self._response(body, request_id, prompts, finals)
+        try:
+            return self._response(body, request_id, prompts, finals)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
 
     def _choice_logprobs(self, body, c: CompletionOutput, offset: int, echoed=None):
         """`echoed`: the RequestOutput whose prompt is echoed in front of this text, if any."""
@@ -227,5 +239,5 @@ class OpenAIServingCompletion(OpenAIServing):
                 chunk = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e))
+            yield sse(stream_error(e, request_id))
         yield sse("[DONE]")
