@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.activation import GeluTanhAndMul
 from pagedllm.layers.attention import Attention
@@ -123,33 +122,11 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden_states)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    def __init__(
-        self,
-        config: ModelArchConfig,
-        attention_backend: str = "auto",
-        dtype: torch.dtype = torch.float32,
-    ):
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config, attention_backend, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Llama's wrapper (HF parameter names, fused-projection loading, tied embeddings) around
+    Gemma 3's decoder, with its final-logit soft-capping."""
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype  # lm_head may be quantized
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids/positions [T] -> hidden_states [T, hidden] (flattened tokens, no padding)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+    model_class = Gemma3Model
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> [N, vocab] float32, soft-capped if the config says so."""
@@ -158,9 +135,3 @@ class Gemma3ForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    # Same HF parameter names and fused-projection packing as Llama (loading, and grouping a
-    # GGUF's int4 blocks by fused module).
-    fused_shards = LlamaForCausalLM.fused_shards
-    group_by_module = LlamaForCausalLM.group_by_module
-    load_weights = LlamaForCausalLM.load_weights

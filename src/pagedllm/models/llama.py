@@ -137,6 +137,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel  # the decoder stack (Gemma 3 brings its own)
+
     def __init__(
         self,
         config: ModelArchConfig,
@@ -145,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention_backend, dtype)
+        self.model = self.model_class(config, attention_backend, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
