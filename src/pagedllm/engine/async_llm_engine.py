@@ -150,22 +150,22 @@ class AsyncLLMEngine:
             if kind == "stop":
                 ids = list(engine.scheduler.requests)
                 engine.abort_request(ids)
-                for stream in self._streams.values():
+                # A snapshot: the event loop's threads remove streams as their clients leave.
+                for stream in list(self._streams.values()):
                     stream.put(EngineDeadError("the server is shutting down"))
                 return False
             if kind == "abort":
                 engine.abort_request(command[1])
                 continue
             _, request_id, prompt, params, arrival, delta, cache_salt = command
-            if request_id not in self._streams:
+            stream = self._streams.get(request_id)
+            if stream is None:
                 continue  # its client left before the request was added
             try:
                 engine.add_request(request_id, prompt, params, arrival, delta, cache_salt)
             except ValueError as e:
-                self._streams[request_id].put(e)
+                stream.put(e)
             except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
                 logger.error("request %s failed: %r", request_id, e, exc_info=e)
                 engine.abort_request(request_id)
-                self._streams[request_id].put(
-                    RequestFailedError(f"request {request_id} failed: {e!r}")
-                )
+                stream.put(RequestFailedError(f"request {request_id} failed: {e!r}"))
