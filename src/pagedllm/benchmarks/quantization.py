@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share
+from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share, table_lines
 from pagedllm.config import QUANTIZATION_METHODS, EngineArgs
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -283,16 +283,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
                 f"{r['greedy_agreement']:.1%}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = []
-    for k, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(table_lines(rows))
 
 
 def run_benchmark(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:

@@ -360,6 +360,21 @@ def print_run(name: str, r: dict[str, Any]) -> None:
         print(f"[{name}] other processes used {others:.1%} of the machine's CPU meanwhile{note}")
 
 
+def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
+    """A text table: the first row is the header (underlined), the first column left-aligned,
+    the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
 def format_table(results: dict[str, Any]) -> str:
     rows = [("system", "requests/s", "output tok/s", "total tok/s", "time (s)", "KV slots used")]
     p = results["pagedllm"]
@@ -385,15 +400,7 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{hf['kv_cache']['used_share']:.1%} of static",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for k, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = table_lines(rows)
     if hf is not None:
         lines.append(
             f"pagedllm / HF, useful output tokens/s: {results['speedup_output_tokens_per_s']:.2f}x"
