@@ -58,10 +58,6 @@ class ModelArchConfig:
             return self.sliding_window
         return None
 
-    @property
-    def kv_bytes_per_token_fp32(self) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
-
 
 def parse_bytes(value: str | int | float | None) -> int | None:
     """'4GiB', '512MiB', '2G', '1e9' or a plain number of bytes → bytes."""
