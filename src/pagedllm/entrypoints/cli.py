@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks import (
+        block_size,
+        load,
         preemption,
         prefix_caching,
         quantization,
@@ -346,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
          "decode and batched speed, accuracy against float32"),
         ("soak", soak, "thousands of streams through an in-process HTTP server, then the "
          "checks: failed requests, leaked blocks, pool integrity, resident memory"),
+        ("load", load, "normalized latency vs request rate and batched requests per KV "
+         "allocation policy (paged, max, pow2, oracle), Poisson arrivals on a virtual clock"),
+        ("block-size", block_size, "normalized latency of the paged engine by block size, "
+         "Poisson arrivals on a virtual clock"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)

@@ -1,0 +1,106 @@
+"""`pagedllm bench load` on a tiny random Llama: the virtual-clock driver and a smoke run."""
+
+import json
+
+import pytest
+
+from pagedllm.benchmarks import load
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import main as cli_main
+from tests.conftest import save_tiny_llama
+
+pytest.importorskip("transformers")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-load")
+    save_tiny_llama(path)
+    return str(path)
+
+
+class FakeTimer:
+    """Every call is `tick` seconds after the previous one: each step measures `tick`."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_poisson_arrivals_are_seeded_and_increasing():
+    a = load.poisson_arrivals(200, 4.0, seed=3)
+    assert a == load.poisson_arrivals(200, 4.0, seed=3)
+    assert all(x < y for x, y in zip(a, a[1:], strict=False))
+    assert 3.0 < len(a) / a[-1] < 5.0  # about 4 requests per second
+    with pytest.raises(ValueError):
+        load.poisson_arrivals(3, 0.0)
+
+
+def test_virtual_clock_skips_idle_gaps(tiny_path):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_path, kv_cache_memory="1MiB", block_size=4))
+    requests = [([5, 9, 3], 4), ([17, 4, 88, 23, 6], 6), ([100], 2)]
+    arrivals = [0.0, 1000.0, 5000.0]  # far apart: the engine idles between them
+    r = load.drive(engine, requests, arrivals, timer=FakeTimer(0.5), keep_trace=True)
+    # Alone, a request of n output tokens takes n steps (the prefill samples the first token),
+    # each measured as 0.5 s: the idle gaps never count.
+    assert r["finish_times"] == [2.0, 1003.0, 5001.0]
+    assert r["normalized_latencies"] == [0.5, 0.5, 0.5]
+    assert r["mean_normalized_latency_s"] == 0.5
+    assert r["busy_s"] == 6.0 and r["makespan_s"] == 5001.0
+    assert r["mean_batched_requests"] == 1.0 and r["max_batched_requests"] == 1
+    assert r["num_steps"] == 12 and r["num_finished"] == 3
+    assert r["num_output_tokens"] == 12 == r["num_expected_output_tokens"]
+    clocks = [t for t, _ in r["trace"]]
+    assert clocks == sorted(clocks)
+    assert not engine.has_unfinished_requests()
+
+
+def test_virtual_clock_batches_simultaneous_arrivals(tiny_path):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_path, kv_cache_memory="1MiB", block_size=4))
+    requests = [([5, 9, 3], 4), ([17, 4, 88], 4), ([100, 7], 4)]
+    r = load.drive(engine, requests, [0.0, 0.0, 0.0], timer=FakeTimer(1.0))
+    assert r["num_steps"] == 4 and r["mean_batched_requests"] == 3.0
+    assert r["mean_normalized_latency_s"] == 1.0
+
+
+def test_load_smoke(tiny_path, tmp_path, capsys):
+    out_json, png = tmp_path / "load.json", tmp_path / "load.png"
+    rc = cli_main([
+        "bench", "load", "--model", tiny_path, "--max-model-len", "128",
+        "--kv-cache-memory", "64KiB", "--max-num-seqs", "6", "--num-prompts", "10",
+        "--policies", "paged", "--sharegpt-rates", "20,200", "--alpaca-rates", "100",
+        "--sharegpt-scale", "0.1", "--alpaca-scale", "0.5",
+        "--output-json", str(out_json), "--plot", str(png),
+    ])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "s/token" in printed and "batch" in printed
+    result = json.loads(out_json.read_text())
+    assert result["engine"]["kv_pool_token_slots"] == 128
+    assert result["engine_args"]["enable_prefix_caching"] is False
+    runs = result["runs"]
+    assert [(r["workload"], r["request_rate"]) for r in runs] == [
+        ("sharegpt", 20.0), ("sharegpt", 200.0), ("alpaca", 100.0)
+    ]  # fmt: skip
+    for r in runs:
+        assert r["num_finished"] == r["num_requests"] == 10 and r["num_failed"] == 0
+        assert r["num_output_tokens"] == r["num_expected_output_tokens"]
+        assert r["mean_normalized_latency_s"] > 0
+        assert 1 <= r["mean_batched_requests"] <= r["max_batched_requests"] <= 6
+        assert r["makespan_s"] >= r["busy_s"] * (1 - 1e-9) and r["busy_s"] > 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bad_policy_is_refused(tiny_path, capsys):
+    rc = cli_main(["bench", "load", "--model", tiny_path, "--policies", "paged,best"])
+    assert rc == 2
+    assert "--policies" in capsys.readouterr().err
