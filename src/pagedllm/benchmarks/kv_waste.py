@@ -46,7 +46,8 @@ from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 CLASSES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation")
-# The paper's Figure 2 (OPT-13B, ShareGPT): share of KV memory holding token states.
+# The paper's Figure 2 (OPT-13B, ShareGPT): share of KV memory holding token states. It gives no
+# such figure for Alpaca.
 PAPER_TOKEN_STATES = {"max": 0.204, "pow2": 0.268, "oracle": 0.382, "paged": 0.963}
 OPT_13B_KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2  # K and V, 40 layers, hidden 5120, fp16
 PAPER_KV_CACHE_BYTES = 12 * 2**30
@@ -221,7 +222,7 @@ def format_table(result: dict) -> str:
     body = []
     for row in result["rows"]:
         shares = row["breakdown"]["shares"]
-        paper = PAPER_TOKEN_STATES.get(row["policy"])
+        paper = PAPER_TOKEN_STATES.get(row["policy"]) if result["workload"] == "sharegpt" else None
         body.append([
             row["policy"], str(row["block_size"]),
             *(f"{100 * shares[name]:.1f}%" for name in CLASSES),
