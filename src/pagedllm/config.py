@@ -6,6 +6,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from pagedllm.core.contiguous_kv_cache_manager import KV_ALLOCATIONS
+
 
 @dataclass
 class ModelArchConfig:
@@ -104,6 +106,8 @@ class EngineArgs:
     # Load a HF directory's pickle weights (pytorch_model.bin, *.pt) when it has no safetensors,
     # with torch.load(weights_only=True); refused by default, as a pickle can carry code.
     allow_pickle_checkpoints: bool = False
+    # paged | max | pow2 | oracle: the pre-paging contiguous reservations, for benchmarks only
+    kv_allocation: str = "paged"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -137,6 +141,11 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                 f"got {self.quantization!r}"
+            )
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(
+                f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
+                f"got {self.kv_allocation!r}"
             )
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

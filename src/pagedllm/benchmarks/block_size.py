@@ -118,7 +118,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from pagedllm.benchmarks import plots
 
     if ns.plot:
-        plots.require_pyplot()
+        plots.pyplot()
     result = run(engine_args, ns)
     print()
     print(format_table(result))

@@ -1,7 +1,5 @@
-"""The benchmarks' figures (PNG, matplotlib's Agg backend: no display needed).
-
-matplotlib is imported only here, inside the functions: pagedllm itself does not need it.
-"""
+"""matplotlib for the benchmark figures, imported only when a figure is asked for (inside the
+functions: pagedllm itself does not need it)."""
 
 from __future__ import annotations
 
@@ -16,14 +14,12 @@ POLICY_STYLE = {  # the paper's order and names
 }
 
 
-def require_pyplot():
-    """matplotlib.pyplot on the Agg backend, or a clear error."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     try:
         import matplotlib
-    except ImportError:
-        raise RuntimeError(
-            "the benchmark figures need matplotlib: pip install matplotlib (or --plot off)"
-        ) from None
+    except ImportError as e:
+        raise ValueError("figures need matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -39,7 +35,7 @@ def plot_load(result: dict[str, Any], path: Path | str, latency_cap: float = 1.0
     """Top row: mean normalized latency vs request rate, a line per policy, a panel per workload
     (the y axis stops at `latency_cap`, as the paper's do: past the knee latency explodes).
     Bottom row: mean batched requests per policy at each rate (bars)."""
-    plt = require_pyplot()
+    plt = pyplot()
     runs = result["runs"]
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     policies = _policies(runs)
@@ -88,7 +84,7 @@ def plot_load(result: dict[str, Any], path: Path | str, latency_cap: float = 1.0
 def plot_block_size(result: dict[str, Any], path: Path | str) -> None:
     """Mean normalized latency of the paged engine vs block size, a bar group per block size
     and a bar per workload (the paper's Fig. 18a)."""
-    plt = require_pyplot()
+    plt = pyplot()
     runs = result["runs"]
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     sizes = sorted({r["block_size"] for r in runs})

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineArgs, parse_bytes
+from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -125,13 +126,7 @@ class LLMEngine:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 preemption_mode=args.preemption_mode,
             ),
-            KVCacheManager(
-                self.num_blocks,
-                self.block_size,
-                args.enable_prefix_caching,
-                self.num_cpu_blocks,
-                self.runner.kv_cache_spec.sliding_windows,
-            ),
+            self._kv_cache_manager(),
         )
         self._num_preemptions_logged = 0
         # Tokens run through the model: prompt tokens prefilled (again after a recompute), and
@@ -142,6 +137,29 @@ class LLMEngine:
         self._request_counter = itertools.count()
 
     # -- start-up -----------------------------------------------------------------------------
+    def _kv_cache_manager(self) -> KVCacheManager | ContiguousKVCacheManager:
+        args = self.args
+        if args.kv_allocation == "paged":
+            return KVCacheManager(
+                self.num_blocks,
+                self.block_size,
+                args.enable_prefix_caching,
+                self.num_cpu_blocks,
+                self.runner.kv_cache_spec.sliding_windows,
+            )
+        if self.runner.kv_cache_spec.sliding_windows != [None]:
+            raise ValueError(
+                f"--kv-allocation {args.kv_allocation} reserves contiguous memory for full "
+                "attention only; this model has sliding-window layers: use paged"
+            )
+        logger.warning(
+            "--kv-allocation %s: contiguous KV reservations, for benchmarks only (no sharing, "
+            "no prefix caching, n=1)", args.kv_allocation,
+        )  # fmt: skip
+        return ContiguousKVCacheManager(
+            self.num_blocks, self.block_size, args.kv_allocation, self.max_model_len
+        )
+
     def _quantize(self, loaded) -> int:
         """Swap the projections for --quantization's layers; log and return the weight bytes."""
         method = self.args.quantization
@@ -285,6 +303,11 @@ class LLMEngine:
                 f"the request runs {params.num_sequences} sequences (n, best_of or beam width), "
                 f"more than max_num_seqs ({self.args.max_num_seqs}): lower it or raise "
                 "--max-num-seqs"
+            )
+        if params.num_sequences > 1 and self.args.kv_allocation != "paged":
+            raise ValueError(
+                f"--kv-allocation {self.args.kv_allocation} runs one sequence per request: "
+                "n, best_of and beam search need paged KV blocks"
             )
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)

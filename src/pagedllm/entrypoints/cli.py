@@ -32,6 +32,9 @@ _ENGINE_FLAGS = {
     "--attention-backend": (str, "auto | sdpa | torch"),
     "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "
                             "memory (CPU kernels; int4 takes GGUF Q4 blocks as they are)"),
+    "--kv-allocation": (str, "paged | max | pow2 | oracle: paged blocks, or one contiguous "
+                             "region per request sized as pre-paging systems did (benchmarks "
+                             "only)"),
 }  # fmt: skip
 _SHORT_FLAGS = {"--quantization": "-q"}
 
@@ -359,6 +362,15 @@ def build_parser() -> argparse.ArgumentParser:
         bench_parser.set_defaults(
             func=lambda ns, module=module: module.main(ns, engine_args_from(ns))
         )
+
+    from pagedllm.benchmarks import kv_waste
+
+    kw = bench_sub.add_parser(
+        "kv-waste", help="KV memory use (token states, reserved, fragmentation) of paged vs "
+        "contiguous reservations (Max, Pow2, Oracle), the scheduler run with a stand-in model",
+    )  # fmt: skip
+    kv_waste.add_cli_args(kw)
+    kw.set_defaults(func=kv_waste.main)
 
     bs = bench_sub.add_parser(
         "serve", help="online: a Poisson stream of requests against a running pagedllm serve"
