@@ -104,3 +104,30 @@ def test_bad_policy_is_refused(tiny_path, capsys):
     rc = cli_main(["bench", "load", "--model", tiny_path, "--policies", "paged,best"])
     assert rc == 2
     assert "--policies" in capsys.readouterr().err
+
+
+def test_max_reservations_batch_fewer_requests_than_paging(tiny_path):
+    from pagedllm.benchmarks.workload import sharegpt_like_workload
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    # 512 slots: 4 reservations of max_model_len 128, or many short paged requests.
+    args = EngineArgs(model=tiny_path, kv_cache_memory="256KiB", max_model_len=128,
+                      max_num_seqs=16, enable_prefix_caching=False)  # fmt: skip
+    engine = LLMEngine(args)
+    requests = sharegpt_like_workload(16, 128, scale=0.1, seed=1, max_model_len=128)
+    runs = {
+        policy: load.run_one(engine, policy, "sharegpt", requests, 1000.0, seed=0)
+        for policy in ("paged", "max", "oracle")
+    }
+    for r in runs.values():
+        assert r["num_finished"] == 16 and r["num_failed"] == 0
+        assert r["num_output_tokens"] == r["num_expected_output_tokens"]
+        assert abs(sum(r["kv_breakdown"]["shares"].values()) - 1) < 1e-9
+    assert runs["max"]["max_batched_requests"] <= 4
+    assert runs["max"]["mean_batched_requests"] < runs["oracle"]["mean_batched_requests"]
+    assert runs["oracle"]["mean_batched_requests"] < runs["paged"]["mean_batched_requests"]
+    assert runs["max"]["num_preemptions"] == 0  # a region never grows
+    assert (
+        runs["paged"]["kv_breakdown"]["shares"]["internal_fragmentation"]
+        < (runs["max"]["kv_breakdown"]["shares"]["internal_fragmentation"])
+    )

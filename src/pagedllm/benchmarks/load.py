@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.benchmarks.kv_waste import KVSlotBreakdown
 from pagedllm.benchmarks.throughput import (
     _greedy_params,
     cpu_counters,
@@ -47,13 +48,9 @@ from pagedllm.benchmarks.throughput import (
 )
 from pagedllm.benchmarks.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
 from pagedllm.config import EngineArgs
+from pagedllm.core.contiguous_kv_cache_manager import ALLOCATORS, KV_ALLOCATIONS
 
-try:  # the slot breakdown comes with the allocation-policy switch
-    from pagedllm.benchmarks.kv_waste import KVSlotBreakdown
-except ImportError:  # pragma: no cover - before it lands
-    KVSlotBreakdown = None
-
-POLICIES = ("paged", "max", "pow2", "oracle")
+POLICIES = KV_ALLOCATIONS  # paged, max, pow2, oracle
 DEFAULT_RATES = {"sharegpt": [0.5, 1.0, 1.5, 2.0, 3.0], "alpaca": [2.0, 4.0, 6.0, 8.0, 12.0]}
 DEFAULT_KV_CACHE_MEMORY = "256MiB"  # SmolLM2-135M in float32: 5825 token slots
 DEFAULT_MAX_MODEL_LEN = 1024
@@ -105,6 +102,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{shape}-rates", type=float_list, default=DEFAULT_RATES[shape],
                            help=f"request rates (req/s) of the {shape} workload "
                            f"(default: {default})")  # fmt: skip
+    group.add_argument("--allocator", choices=ALLOCATORS, default="buddy",
+                       help="placement of the contiguous regions: buddy (the paper's Orca "
+                       "baselines) or first-fit (default: buddy)")  # fmt: skip
     group.add_argument("--latency-cap", type=float, default=DEFAULT_LATENCY_CAP,
                        help="top of the plot's latency axis, s/token (default: 1)")  # fmt: skip
     add_workload_args(group)
@@ -218,22 +218,31 @@ def drive(
 
 
 # -- engine set-up ------------------------------------------------------------------------------
-def use_policy(engine, policy: str) -> None:
-    """Give an idle engine a fresh scheduler whose block manager follows `policy`, over the same
-    KV pool (the runner, its pool and the model stay)."""
+def use_policy(engine, policy: str, allocator: str = "buddy") -> None:
+    """Give an idle engine a fresh scheduler whose block manager follows `policy` (paged with
+    prefix caching off, or a contiguous one placed by `allocator`), over the same KV pool: the
+    runner, its pool and the model stay."""
+    from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
     from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.core.scheduler import Scheduler
 
     if engine.has_unfinished_requests():
         raise ValueError("the engine must be idle to change its allocation policy")
-    if policy != "paged":
+    if policy not in POLICIES:
         raise ValueError(f"unknown KV allocation policy {policy!r}")
-    old = engine.scheduler
-    manager = KVCacheManager(
-        engine.num_blocks, engine.block_size, False, engine.num_cpu_blocks,
-        engine.runner.kv_cache_spec.sliding_windows,
-    )  # fmt: skip
-    engine.scheduler = Scheduler(old.config, manager)
+    windows = engine.runner.kv_cache_spec.sliding_windows
+    if policy == "paged":
+        manager = KVCacheManager(
+            engine.num_blocks, engine.block_size, False, engine.num_cpu_blocks, windows
+        )
+    elif windows != [None]:
+        raise ValueError(f"policy {policy} is for full-attention models only: use paged")
+    else:
+        manager = ContiguousKVCacheManager(
+            engine.num_blocks, engine.block_size, policy, engine.max_model_len, allocator
+        )
+    engine.args.kv_allocation = policy
+    engine.scheduler = Scheduler(engine.scheduler.config, manager)
 
 
 def workload_tokenizer(engine):
@@ -282,10 +291,12 @@ def warm_up(engine) -> None:
         engine.step()
 
 
-def run_one(engine, policy, shape, requests, rate, seed, timer=time.perf_counter) -> dict:
+def run_one(
+    engine, policy, shape, requests, rate, seed, allocator="buddy", timer=time.perf_counter
+) -> dict:
     """One (policy, workload, rate) run on a fresh scheduler."""
-    use_policy(engine, policy)
-    breakdown = KVSlotBreakdown() if KVSlotBreakdown is not None else None
+    use_policy(engine, policy, allocator)
+    breakdown = KVSlotBreakdown()
     arrivals = poisson_arrivals(len(requests), rate, seed)
     result = drive(
         engine, requests, arrivals, timer=timer, breakdown=breakdown,
@@ -339,7 +350,7 @@ def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
     for shape, requests in workloads.items():
         for policy in ns.policies:
             for rate in rates[shape]:
-                r = run_one(engine, policy, shape, requests, rate, ns.arrival_seed)
+                r = run_one(engine, policy, shape, requests, rate, ns.arrival_seed, ns.allocator)
                 print(format_run(r), flush=True)
                 runs.append(r)
     use_policy(engine, "paged")
@@ -351,6 +362,7 @@ def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
         "load_s": load_s,
         "workloads": {s: workload_summary(r) for s, r in workloads.items()},
         "arrival_seed": ns.arrival_seed,
+        "allocator": ns.allocator,
         "runs": runs,
         "others_cpu_share": others_cpu_share(cpu_before, cpu_counters()),
     }
@@ -369,18 +381,19 @@ def format_run(r: dict[str, Any]) -> str:
 def table_rows(runs: list[dict[str, Any]], first: str = "policy") -> list[tuple[str, ...]]:
     rows = [(
         "workload", first, "req/s in", "s/token", "p90 s/token", "req/s out", "out tok/s",
-        "batch", "max", "preempt", "tokens share",
+        "batch", "max", "preempt", "KV: tokens", "reserved", "int frag", "ext frag",
     )]  # fmt: skip
     for r in runs:
         shares = r.get("kv_breakdown", {}).get("shares", {})
-        token_share = shares.get("token_states")
+        kv = [shares.get(k) for k in ("token_states", "reserved", "internal_fragmentation",
+                                      "external_fragmentation")]  # fmt: skip
         label = r[first] if first == "policy" else str(r[first])
         rows.append((
             r["workload"], label, f"{r['request_rate']:g}",
             f"{r['mean_normalized_latency_s']:.4f}", f"{r['p90_normalized_latency_s']:.4f}",
             f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
             f"{r['mean_batched_requests']:.1f}", str(r["max_batched_requests"]),
-            str(r["num_preemptions"]), "-" if token_share is None else f"{token_share:.1%}",
+            str(r["num_preemptions"]), *("-" if x is None else f"{x:.1%}" for x in kv),
         ))  # fmt: skip
     return rows
 
@@ -390,7 +403,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{e['model']} on {e['device']} ({e['dtype']}): KV pool of {e['kv_pool_token_slots']} "
         f"token slots ({e['kv_pool_bytes'] / 2**20:.0f} MiB, blocks of {e['block_size']}), "
-        f"max_model_len {e['max_model_len']}, prefix caching off; virtual clock",
+        f"max_model_len {e['max_model_len']}, prefix caching off, contiguous regions placed by "
+        f"{result['allocator']}; virtual clock",
         *table_lines(table_rows(result["runs"])),
     ]
     others = result.get("others_cpu_share")
