@@ -23,7 +23,7 @@ from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share, table
 from pagedllm.config import EngineArgs
 
 DEFAULT_BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-DEFAULT_RATE = {"sharegpt": 1.5, "alpaca": 6.0}
+DEFAULT_RATE = {"sharegpt": 1.5, "alpaca": 3.0}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -51,7 +51,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.contiguous_kv_cache_manager import ALLOCATORS, KV_ALLOCATIONS
 
 POLICIES = KV_ALLOCATIONS  # paged, max, pow2, oracle
-DEFAULT_RATES = {"sharegpt": [0.5, 1.0, 1.5, 2.0, 3.0], "alpaca": [2.0, 4.0, 6.0, 8.0, 12.0]}
+DEFAULT_RATES = {"sharegpt": [0.5, 1.0, 1.5, 2.0, 3.0], "alpaca": [1.0, 2.0, 3.0, 4.0, 6.0]}
 DEFAULT_KV_CACHE_MEMORY = "256MiB"  # SmolLM2-135M in float32: 5825 token slots
 DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_LATENCY_CAP = 1.0  # s/token: the plots' y axis stops here, as the paper's do
