@@ -187,7 +187,11 @@ def drive(
         if keep_trace:
             trace.append((clock, batch))
 
-    latencies = [(f - a) / n for f, a, (_, n) in zip(finish, arrivals, requests, strict=True)]
+    latencies = [
+        (f - a) / n
+        for f, a, (_, n) in zip(finish, arrivals, requests, strict=True)
+        if f is not None  # (a request the engine dropped without a final output)
+    ]
     makespan = clock - (arrivals[0] if arrivals else 0.0)
     useful = sum(min(got, n) for got, (_, n) in zip(num_output, requests, strict=True))
     result: dict[str, Any] = {
