@@ -73,11 +73,13 @@ def plot_load(result: dict[str, Any], path: Path | str, latency_cap: float = 1.0
             ax.bar(xs, [by_rate.get(rate, 0.0) for rate in rates], width, label=label,
                    color=color)  # fmt: skip
         ax.set_xticks(range(len(rates)), [f"{rate:g}" for rate in rates])
+        top = max((r["mean_batched_requests"] for r in mine), default=1.0)
+        ax.set_ylim(0, 1.3 * top or 1.0)  # room for the legend above the bars
         ax.set_title(f"{shape}: mean batched requests")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("# batched requests")
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", ncols=2, loc="upper left")
     _finish(fig, result, path)
 
 
