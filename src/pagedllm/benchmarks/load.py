@@ -278,9 +278,10 @@ def make_workloads(engine, ns: argparse.Namespace) -> dict[str, list[WorkloadReq
 
 
 def bench_engine_args(engine_args: EngineArgs) -> EngineArgs:
-    """The benchmark's engine: prefix caching off (the paper's setting), and unless given a
-    small KV pool, so that memory rather than compute limits the batch."""
-    args = dataclasses.replace(engine_args, enable_prefix_caching=False)
+    """The benchmark's engine: prefix caching off (the paper's setting); unless told otherwise,
+    a small KV pool (so that memory, not compute, limits the batch) and max_model_len 1024."""
+    # Built paged: each run then installs its policy's block manager (use_policy).
+    args = dataclasses.replace(engine_args, enable_prefix_caching=False, kv_allocation="paged")
     if args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         args.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
     if args.max_model_len is None:
