@@ -20,7 +20,7 @@ from typing import Any
 from pagedllm.benchmarks import load
 from pagedllm.benchmarks.sharing import int_list
 from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share, table_lines
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, parse_bytes
 
 DEFAULT_BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 DEFAULT_RATE = {"sharegpt": 1.5, "alpaca": 3.0}
@@ -84,8 +84,9 @@ def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
             print(f"[block size {block_size}] {load.format_run(r)}", flush=True)
             runs.append(r)
     summary = load.engine_summary(engine)
-    for key in ("block_size", "num_blocks", "kv_pool_token_slots"):
+    for key in ("block_size", "num_blocks", "kv_pool_token_slots", "kv_pool_bytes"):
         summary.pop(key)
+    summary["kv_cache_memory_bytes"] = parse_bytes(args.kv_cache_memory)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": " ".join(sys.argv),
@@ -99,11 +100,15 @@ def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _mib(num_bytes: int | None) -> str:
+    return "?" if num_bytes is None else f"{num_bytes / 2**20:.0f} MiB"
+
+
 def format_table(result: dict[str, Any]) -> str:
     e = result["engine"]
     lines = [
         f"{e['model']} on {e['device']} ({e['dtype']}): paged, KV pool of "
-        f"{e['kv_pool_bytes'] / 2**20:.0f} MiB at every block size, max_model_len "
+        f"{_mib(e['kv_cache_memory_bytes'])} at every block size (whole blocks), max_model_len "
         f"{e['max_model_len']}, prefix caching off; virtual clock",
         *table_lines(load.table_rows(result["runs"], first="block_size")),
     ]

@@ -113,9 +113,11 @@ def plot_block_size(result: dict[str, Any], path: Path | str) -> None:
 def _finish(fig, result: dict[str, Any], path: Path | str) -> None:
     engine = result.get("engine", {})
     if engine:
+        slots = engine.get("kv_pool_token_slots")
+        mib = (engine.get("kv_cache_memory_bytes") or 0) / 2**20
+        pool = f"{slots} slots" if slots else f"{mib:.0f} MiB"
         fig.suptitle(
-            f"{engine.get('model')} on {engine.get('device')}, KV pool of "
-            f"{engine.get('kv_pool_token_slots')} slots",
+            f"{engine.get('model')} on {engine.get('device')}, KV pool of {pool}",
             fontsize="medium",
         )
     fig.tight_layout()
