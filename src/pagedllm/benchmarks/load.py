@@ -8,7 +8,8 @@ and one KV pool of the same size; only the block manager differs:
 - "paged": pagedllm's block tables (blocks allocated as tokens arrive);
 - "max": a contiguous region of max_model_len slots per request, reserved on admission;
 - "pow2": the prompt plus the output length rounded up to a power of two;
-- "oracle": exactly prompt + output (an allocator that knows the future).
+- "oracle": exactly prompt + output (an allocator that knows the future);
+the contiguous regions placed by a buddy allocator (`--allocator first-fit` for the other).
 Prefix caching is off, as in the paper (the contiguous policies do not have it).
 
 The virtual clock. Arrivals are driven on a clock that only the engine's steps advance: every
