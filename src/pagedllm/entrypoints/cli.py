@@ -321,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks import (
+        peers,
         preemption,
         prefix_caching,
         quantization,
@@ -346,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
          "decode and batched speed, accuracy against float32"),
         ("soak", soak, "thousands of streams through an in-process HTTP server, then the "
          "checks: failed requests, leaked blocks, pool integrity, resident memory"),
+        ("peers", peers, "pagedllm's HTTP server, llama.cpp's llama-server and HF static "
+         "batching side by side: output tokens/s at each concurrency, single-stream decode"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)
