@@ -4,7 +4,8 @@
 #
 # The Python package's own server handles one request at a time; llama-server has parallel
 # slots with continuous batching, which is the fair peer. CPU only, -DGGML_NATIVE=ON (this
-# machine's instruction set, e.g. AVX-512), no curl, only the llama-server target.
+# machine's instruction set, e.g. AVX-512), no curl or OpenSSL, no web UI (whose prebuilt
+# assets the build would otherwise try to download), only the llama-server target.
 #
 # Usage: benchmarks/build_llama_server.sh
 #   PAGEDLLM_PEERS_DIR   where the sources, the build and the binary go
@@ -68,7 +69,8 @@ cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
-    -DLLAMA_CURL=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON \
@@ -78,6 +80,9 @@ built="$(find "$BUILD_DIR" -type f -name llama-server -perm -u+x | head -n 1)"
 [ -n "$built" ] || { echo "error: the build made no llama-server" >&2; exit 1; }
 install -m 0755 "$built" "$BIN.tmp"
 mv "$BIN.tmp" "$BIN"
-echo "llama.cpp vendored in llama-cpp-python $VERSION (PyPI sdist), built in $(($(date +%s) - start)) s" \
-    >"$PEERS_DIR/llama-server.source"
+# The sdist has no git metadata (llama-server --version says "unknown"): the changelog names
+# the llama.cpp commit this version vendors.
+commit="$(grep -m 1 -o 'llama\.cpp@[0-9a-f]*' "$TREE/CHANGELOG.md" || echo 'llama.cpp@unknown')"
+echo "$commit vendored in llama-cpp-python $VERSION (PyPI sdist), built in" \
+    "$(($(date +%s) - start)) s" >"$PEERS_DIR/llama-server.source"
 report

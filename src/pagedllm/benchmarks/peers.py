@@ -310,6 +310,13 @@ def llama_server_version(binary: str) -> str | None:
     return lines[0].strip() if lines else None
 
 
+def _build_note(binary: str) -> str | None:
+    """What benchmarks/build_llama_server.sh noted beside the binary: the llama.cpp commit and
+    the llama-cpp-python version it came from."""
+    note = Path(binary).with_name("llama-server.source")
+    return note.read_text().strip() if note.is_file() else None
+
+
 def run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir: Path) -> dict[str, Any]:
     parallel = max(ns.concurrency)
     longest = max(len(p) + n for p, n in [*requests, decode_request])
@@ -329,6 +336,7 @@ def run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir: Path) -> 
     result.update(
         command=" ".join(argv),
         version=llama_server_version(binary),
+        build=_build_note(binary),
         slot_ctx=slot_ctx,
         threads=threads,
         dtype=f"{file_type or 'the GGUF weights as stored'} (ggml kernels)",
