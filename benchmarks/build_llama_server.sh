@@ -12,6 +12,7 @@
 #                        (default ~/.cache/pagedllm/peers); the binary is $PAGEDLLM_PEERS_DIR/llama-server
 #   LLAMA_CPP_PYTHON_VERSION  the pinned llama-cpp-python sdist (default below)
 #   JOBS                 parallel compile jobs (default 2)
+#   GGML_AMX             ON to keep llama.cpp's AMX kernels (off by default, see below)
 #   PIP                  the pip to download with (default: python3 -m pip)
 # Idempotent: when the binary is there it only prints its path and version.
 set -euo pipefail
@@ -63,11 +64,21 @@ LLAMA_DIR="$TREE/vendor/llama.cpp"
 [ -f "$LLAMA_DIR/CMakeLists.txt" ] || { echo "error: no vendor/llama.cpp in $sdist" >&2; exit 1; }
 
 BUILD_DIR="$PEERS_DIR/build-$VERSION"
+# -march=native turns on AMX where the CPU lists it, and llama.cpp then runs its AMX matmul
+# kernels: on a VM whose CPU lists AMX (e.g. Sapphire Rapids guests) they crashed at the first
+# matmul (SIGSEGV at ldtilecfg) with the Q4_1 default model. So AMX is off unless GGML_AMX=ON;
+# everything else -march=native gives (AVX-512, VNNI, BF16) stays.
+native_flags=""
+if [ "${GGML_AMX:-OFF}" != "ON" ] &&
+    echo 'int main(){}' | c++ -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -x c++ -fsyntax-only - 2>/dev/null; then
+    native_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 start=$(date +%s)
 cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$native_flags" -DCMAKE_CXX_FLAGS="$native_flags" \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \

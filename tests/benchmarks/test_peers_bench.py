@@ -131,6 +131,18 @@ def _check_report(out, systems):
     return results
 
 
+def test_a_crashing_server_fails_its_peer_only(tiny_gguf, tmp_path, capsys):
+    """A llama-server that dies at start: reported, the others still run, exit status 1."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'segfault, say'\nexit 139\n")
+    fake.chmod(0o755)
+    out = tmp_path / "peers.json"
+    assert _run(tiny_gguf, out, "--peers", "llama.cpp", "--llama-server", str(fake)) == 1
+    assert "FAILED: llama.cpp" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert results["systems"] == {} and "segfault, say" in results["failed"]["llama.cpp"]
+
+
 def test_smoke_pagedllm_and_hf(tiny_gguf, tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "peers.json"

@@ -507,6 +507,8 @@ def format_table(results: dict[str, Any]) -> str:
     ]
     if mismatched:
         lines.append("WARNING: generated tokens != requested for " + ", ".join(mismatched))
+    for peer, error in results.get("failed", {}).items():
+        lines.append(f"FAILED: {names[peer]}: {error.splitlines()[0]}")
     return "\n".join(lines)
 
 
@@ -596,16 +598,20 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         "systems": {},
     }
     systems = results["systems"]
+    failed = results["failed"] = {}
     with tempfile.TemporaryDirectory(prefix="pagedllm-peers-") as tmp:
         workdir = Path(tmp)
-        if "pagedllm" in peers:
-            systems["pagedllm"] = run_pagedllm(ns, engine_args, requests, decode_request, workdir)
-        if "llama.cpp" in peers:
-            systems["llama.cpp"] = run_llama_cpp(
-                ns, binary, gguf, requests, decode_request, workdir
-            )
-        if "hf" in peers:
-            systems["hf"] = run_hf_peer(ns, engine_args, requests, decode_request)
+        runs = {
+            "pagedllm": lambda: run_pagedllm(ns, engine_args, requests, decode_request, workdir),
+            "llama.cpp": lambda: run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir),
+            "hf": lambda: run_hf_peer(ns, engine_args, requests, decode_request),
+        }
+        for peer in peers:
+            try:
+                systems[peer] = runs[peer]()
+            except RuntimeError as e:  # a server that crashed or never came up: the others run
+                failed[peer] = str(e)
+                print(f"error: [{peer}] {e}", file=sys.stderr)
     add_ratios(results)
     print()
     print(format_table(results))
@@ -617,4 +623,4 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         for s in systems.values()
         for r in [*s["by_concurrency"].values(), s["decode"]]
     )
-    return 0 if ok else 1
+    return 0 if ok and not failed else 1
