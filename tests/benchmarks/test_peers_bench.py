@@ -63,6 +63,13 @@ def test_pagedllm_dtype_from_the_log_line():
     assert peers._pagedllm_dtype(EngineArgs(quantization="int4"), None) == "bfloat16"
 
 
+def test_gguf_file_type(tmp_path):
+    from pagedllm.model_loader.loader import resolve_model
+
+    assert peers.gguf_file_type(resolve_model(None)) == "Q4_1"  # the packaged default model
+    assert peers.gguf_file_type(tmp_path / "none.gguf") is None
+
+
 def test_missing_llama_server(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAGEDLLM_PEERS_DIR", str(tmp_path))
     assert peers.default_llama_server() == tmp_path / "llama-server"

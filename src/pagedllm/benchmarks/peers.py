@@ -310,6 +310,17 @@ def llama_server_version(binary: str) -> str | None:
     return lines[0].strip() if lines else None
 
 
+def gguf_file_type(path: Path) -> str | None:
+    """A GGUF's general.file_type by name (e.g. Q4_1): the weights llama.cpp computes with."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields["general.file_type"]
+        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError, IndexError, OSError):
+        return None
+
+
 def _build_note(binary: str) -> str | None:
     """What benchmarks/build_llama_server.sh noted beside the binary: the llama.cpp commit and
     the llama-cpp-python version it came from."""
@@ -332,14 +343,14 @@ def run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir: Path) -> 
         result = measure_http(
             url, requests, ns.concurrency, decode_request, [proc.pid], "llama.cpp"
         )
-    file_type = _log_match(log_path, r"file type\s*=\s*([^\n]*)")
+    file_type = gguf_file_type(gguf)
     result.update(
         command=" ".join(argv),
         version=llama_server_version(binary),
         build=_build_note(binary),
         slot_ctx=slot_ctx,
         threads=threads,
-        dtype=f"{file_type or 'the GGUF weights as stored'} (ggml kernels)",
+        dtype=f"the GGUF's {file_type or 'weights'} as stored (ggml's kernels)",
     )
     return result
 
