@@ -326,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import (
         block_size,
         load,
+        peers,
         preemption,
         prefix_caching,
         quantization,
@@ -355,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
          "allocation policy (paged, max, pow2, oracle), Poisson arrivals on a virtual clock"),
         ("block-size", block_size, "normalized latency of the paged engine by block size, "
          "Poisson arrivals on a virtual clock"),
+        ("peers", peers, "pagedllm's HTTP server, llama.cpp's llama-server and HF static "
+         "batching side by side: output tokens/s at each concurrency, single-stream decode"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)

@@ -1,0 +1,174 @@
+"""`pagedllm bench peers`: flags, the pagedllm serve flags it rebuilds, the report, and short
+smoke runs on a tiny random GGUF (pagedllm's HTTP server and HF static batching; llama.cpp's
+llama-server only where its binary has been built: CI cannot build it in time)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from pagedllm.benchmarks import peers
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import main
+from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    peers.add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_defaults_and_flags():
+    ns = _parse([])
+    assert (ns.peers, ns.concurrency, ns.num_prompts, ns.llama_server) == (
+        None,
+        [1, 8, 32],
+        64,
+        None,
+    )
+    ns = _parse(["--peers", "hf,pagedllm", "--concurrency", "2,4"])
+    assert ns.peers == ["pagedllm", "hf"] and ns.concurrency == [2, 4]
+    for bad in (["--peers", "vllm"], ["--concurrency", "0"], ["--concurrency", "a"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+
+
+def test_engine_flags_argv_rebuilds_the_serve_flags():
+    assert peers.engine_flags_argv(EngineArgs()) == []
+    args = EngineArgs(model="m.gguf", dtype="bfloat16", quantization="int8",
+                      enable_prefix_caching=False, max_num_seqs=8)  # fmt: skip
+    argv = peers.engine_flags_argv(args)
+    assert argv == ["--model", "m.gguf", "--dtype", "bfloat16", "--max-num-seqs", "8",
+                    "--quantization", "int8", "--no-enable-prefix-caching"]  # fmt: skip
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["serve", *argv])
+    rebuilt = engine_args_from(ns)
+    for field in ("model", "dtype", "quantization", "enable_prefix_caching", "max_num_seqs",
+                  "enable_chunked_prefill", "kv_cache_memory", "block_size"):  # fmt: skip
+        assert getattr(rebuilt, field) == getattr(args, field), field
+
+
+def test_pagedllm_dtype_from_the_log_line():
+    args = EngineArgs()
+    assert peers._pagedllm_dtype(args, "3.4 MiB (float32)") == "float32"
+    line = "60.1 MiB with int8 projections (257.9 MiB all in bfloat16); kept in bfloat16: lm_head"
+    assert peers._pagedllm_dtype(EngineArgs(quantization="int8"), line) == (
+        "bfloat16 (+ int8 projections)"
+    )
+    assert peers._pagedllm_dtype(EngineArgs(quantization="int4"), None) == "bfloat16"
+
+
+def test_gguf_file_type(tmp_path):
+    from pagedllm.model_loader.loader import resolve_model
+
+    assert peers.gguf_file_type(resolve_model(None)) == "Q4_1"  # the packaged default model
+    assert peers.gguf_file_type(tmp_path / "none.gguf") is None
+
+
+def test_missing_llama_server(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDLLM_PEERS_DIR", str(tmp_path))
+    assert peers.default_llama_server() == tmp_path / "llama-server"
+    ns = _parse([])
+    chosen, _, _ = peers._resolve_peers(ns, EngineArgs())
+    assert chosen == ["pagedllm", "hf"]
+    assert "build_llama_server.sh" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="build_llama_server.sh"):
+        peers._resolve_peers(_parse(["--peers", "llama.cpp"]), EngineArgs())
+
+
+def _rate(tokens_per_s, match=True):
+    return {"output_tokens_per_s": tokens_per_s, "tokens_match": match}
+
+
+def test_report_has_every_system_and_the_ratios():
+    results = {
+        "concurrency": [1, 8],
+        "systems": {
+            "pagedllm": {"by_concurrency": {"1": _rate(20.0), "8": _rate(80.0)},
+                         "decode": {"decode_tokens_per_s": 22.0, "tokens_match": True},
+                         "dtype": "float32"},
+            "llama.cpp": {"by_concurrency": {"1": _rate(40.0), "8": _rate(160.0, False)},
+                          "decode": {"decode_tokens_per_s": 44.0, "tokens_match": True},
+                          "dtype": "Q4_1 (ggml kernels)"},
+            "hf": {"by_concurrency": {"1": _rate(10.0), "8": _rate(40.0)},
+                   "decode": {"decode_tokens_per_s": 11.0, "tokens_match": True},
+                   "dtype": "float32"},
+        },
+    }  # fmt: skip
+    peers.add_ratios(results)
+    assert results["pagedllm_over_peer"]["llama.cpp"] == {"1": 0.5, "8": 0.5, "decode": 0.5}
+    assert results["pagedllm_over_peer"]["hf"] == {"1": 2.0, "8": 2.0, "decode": 2.0}
+    table = peers.format_table(results)
+    assert "pagedllm / llama.cpp" in table and "pagedllm / HF static" in table
+    assert "0.50x" in table and "2.00x" in table and "single-stream decode" in table
+    assert "llama.cpp ran: Q4_1" in table
+    assert "WARNING: generated tokens != requested for llama.cpp at 8" in table
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-peers") / "tiny.gguf"
+    return str(write_tiny_llama(path, random_hf_weights(len(gpt2_vocab()[0]))))
+
+
+def _run(model, out, *extra):
+    return main(
+        ["bench", "peers", "--model", model, "--kv-cache-memory", "16MiB", "--num-prompts", "3",
+         "--scale", "0.05", "--concurrency", "1,2", "--decode-output-len", "4",
+         "--output-json", str(out), *extra]
+    )  # fmt: skip
+
+
+def _check_report(out, systems):
+    results = json.loads(out.read_text())
+    assert sorted(results["systems"]) == sorted(systems)
+    expected = results["workload"]["num_output_tokens"]
+    for name, system in results["systems"].items():
+        assert system["dtype"]
+        assert set(system["by_concurrency"]) == {"1", "2"}
+        for r in system["by_concurrency"].values():
+            assert r["tokens_match"] and r["expected_output_tokens"] == expected, (name, r)
+            assert r["output_tokens_per_s"] > 0
+        assert system["decode"]["tokens_match"] and system["decode"]["decode_tokens_per_s"] > 0
+    return results
+
+
+def test_a_crashing_server_fails_its_peer_only(tiny_gguf, tmp_path, capsys):
+    """A llama-server that dies at start: reported, the others still run, exit status 1."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'segfault, say'\nexit 139\n")
+    fake.chmod(0o755)
+    out = tmp_path / "peers.json"
+    assert _run(tiny_gguf, out, "--peers", "llama.cpp", "--llama-server", str(fake)) == 1
+    assert "FAILED: llama.cpp" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert results["systems"] == {} and "segfault, say" in results["failed"]["llama.cpp"]
+
+
+def test_smoke_pagedllm_and_hf(tiny_gguf, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "peers.json"
+    assert _run(tiny_gguf, out, "--peers", "pagedllm,hf") == 0
+    printed = capsys.readouterr().out
+    assert "pagedllm / HF static" in printed and "pagedllm ran: float32" in printed
+    results = _check_report(out, ["pagedllm", "hf"])
+    assert set(results["pagedllm_over_peer"]["hf"]) == {"1", "2", "decode"}
+    assert "--kv-cache-memory 16MiB" in results["systems"]["pagedllm"]["command"]
+
+
+def _llama_server() -> str | None:
+    binary = os.environ.get("PAGEDLLM_LLAMA_SERVER") or str(peers.default_llama_server())
+    return binary if os.access(binary, os.X_OK) else None
+
+
+@pytest.mark.skipif(_llama_server() is None, reason="llama-server not built (see benchmarks/)")
+def test_smoke_llama_cpp(tiny_gguf, tmp_path):
+    out = tmp_path / "peers.json"
+    assert _run(tiny_gguf, out, "--peers", "llama.cpp", "--llama-server", _llama_server()) == 0
+    results = _check_report(out, ["llama.cpp"])
+    assert results["systems"]["llama.cpp"]["slot_ctx"] >= 256
