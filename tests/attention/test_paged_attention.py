@@ -6,6 +6,7 @@ padded block table entry, another request's block) poisons the output and fails 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,8 +20,15 @@ from pagedllm.attention import (
     paged_attention_sdpa,
     write_kv_cache,
 )
+from pagedllm.attention.cpu import paged_attention_cpu
 
-BACKENDS = {"torch": paged_attention_ref, "sdpa": paged_attention_sdpa}
+BACKENDS = {
+    "torch": paged_attention_ref,
+    "sdpa": paged_attention_sdpa,
+    # The C++ kernel alone, and as the backend runs it (long prefill chunks through SDPA).
+    "cpu-kernel": functools.partial(paged_attention_cpu, min_sdpa_query_len=0),
+    "cpu": paged_attention_cpu,
+}
 # (num_heads, num_kv_heads): MHA, GQA ratio 3, GQA ratio 8, MQA
 HEADS = [(4, 4), (9, 3), (16, 2), (8, 1)]
 
@@ -216,6 +224,76 @@ def test_sliding_window_and_soft_cap_match_dense(backend, block_size, window, so
 def test_backend_selection():
     assert get_attention_backend("torch").forward is paged_attention_ref
     assert get_attention_backend("sdpa").forward is paged_attention_sdpa
-    assert get_attention_backend("auto").forward is paged_attention_sdpa
-    with pytest.raises(ValueError, match="auto, sdpa, torch"):
+    assert get_attention_backend("cpu").forward is paged_attention_cpu
+    # The kernel builds on this machine (make setup builds it), so auto picks it on CPU.
+    assert get_attention_backend("auto").forward is paged_attention_cpu
+    with pytest.raises(ValueError, match="not cuda"):
+        get_attention_backend("cpu", device="cuda")
+    with pytest.raises(ValueError, match="auto, cpu, sdpa, torch"):
         get_attention_backend("flash")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_fresh_prompts_read_this_steps_kv(backend, window):
+    """Given this step's K/V, prompts with no cached context attend to them directly: the
+    result is the same, and their slots in the cache are not read (they are NaN here)."""
+    reqs = [(0, 40), (0, 9), (17, 12), (30, 1)]
+    b = build_batch(reqs, 4, 9, 3, 64, seed=5)
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    tables = meta.block_tables.tolist()
+    for i in (0, 1):  # the fresh prompts' blocks
+        for block_id in tables[i][: -(-reqs[i][1] // 4)]:
+            b["k_cache"][block_id] = float("nan")
+            b["v_cache"][block_id] = float("nan")
+    out = BACKENDS[backend](
+        b["query"], b["k_cache"], b["v_cache"], meta, 0.125, sliding_window=window,
+        key=b["key"], value=b["value"],
+    )  # fmt: skip
+    for i, (q, k, v) in enumerate(b["dense"]):
+        rows = out[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]]
+        expected = dense_causal_attention(q, k, v, 0.125, window).float()
+        torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0, msg=f"request {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_kernel_matches_the_reference_on_random_batches(dtype, seed):
+    """The oracle on random shapes: block sizes, head dims, GQA ratios, query lengths (across
+    the kernel's 16-row query tiles), windows, soft caps and shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    block_size = pick([1, 2, 8, 16, 32])
+    num_kv_heads, group = pick([1, 2, 4]), pick([1, 3, 8])
+    head_dim = pick([32, 64, 80, 128])
+    reqs = [
+        (int(torch.randint(0, 70, (), generator=g)), pick([1, 1, 2, 5, 16, 17, 40]))
+        for _ in range(int(torch.randint(1, 7, (), generator=g)))
+    ]
+    window, cap = pick([None, None, 3, 20]), pick([None, 30.0])
+    b = build_batch(reqs, block_size, num_kv_heads * group, num_kv_heads, head_dim, dtype, seed)
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    args = (b["query"], b["k_cache"], b["v_cache"], meta, head_dim**-0.5)
+    kwargs = dict(sliding_window=window, logits_soft_cap=cap)
+    expected = paged_attention_ref(*args, **kwargs).float()
+    out = paged_attention_cpu(*args, **kwargs, min_sdpa_query_len=0)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=0, msg=f"{reqs}")
+
+
+def test_cpu_backend_falls_back_to_sdpa_for_head_dims_the_kernel_cannot_vectorise():
+    reqs = [(5, 1), (0, 3), (9, 2)]
+    b = build_batch(reqs, 4, 4, 2, 40, seed=1)  # 40: not a multiple of 16 (AVX-512) lanes
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    out = paged_attention_cpu(b["query"], b["k_cache"], b["v_cache"], meta, 0.125)
+    for i, (q, k, v) in enumerate(b["dense"]):
+        rows = out[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]]
+        torch.testing.assert_close(
+            rows, dense_causal_attention(q, k, v, 0.125).float(), atol=1e-5, rtol=0
+        )

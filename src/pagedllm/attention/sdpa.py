@@ -21,14 +21,21 @@ def paged_attention_sdpa(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference."""
+    """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference.
+    `key`/`value` [T, kv_heads, head_dim]: this step's K/V (already in the cache); prompts with
+    no cached context attend to them directly instead of gathering them back from the cache."""
     out = torch.empty_like(query)
     plan = _decode_plan(meta, query.device, sliding_window)
     if plan is not None:
         _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out)
     if meta.max_query_len > 1:
-        _prefill(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out)
+        prefill_sdpa(
+            query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out,
+            key=key, value=value,
+        )  # fmt: skip
     return out
 
 
@@ -102,16 +109,33 @@ def _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out) -> None:
     out[rows] = o.squeeze(2)
 
 
-def _prefill(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out) -> None:
+def prefill_sdpa(
+    query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out,
+    min_query_len=2, key=None, value=None,
+) -> None:  # fmt: skip
+    """One SDPA call per request with at least `min_query_len` query rows, into `out`."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     bs = meta.block_size
     qsl = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
-        if q_len == 1:
+        if q_len < min_query_len:
             continue
         num_cached = seq_len - q_len
+        q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, d]
+        if num_cached == 0 and key is not None:  # a fresh prompt: its K/V are this step's
+            k = key[start:end].transpose(0, 1)[None]
+            v = value[start:end].transpose(0, 1)[None]
+            mask = None
+            if sliding_window is not None:
+                pos = torch.arange(q_len, device=query.device)
+                mask = (pos[None, :] <= pos[:, None]) & (
+                    pos[None, :] > pos[:, None] - sliding_window
+                )
+            o = _attend(q, k, v, mask, scale, logits_soft_cap, is_causal=mask is None)
+            out[start:end] = o[0].transpose(0, 1)
+            continue
         # Whole blocks from the first one the first query can see (all of them without a
         # window) are gathered, then cut to the context: [1, kv_heads, ctx_len, d].
         first_block = 0
@@ -123,7 +147,6 @@ def _prefill(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_c
         v = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
         k = k[: seq_len - ctx_start].transpose(0, 1)[None]
         v = v[: seq_len - ctx_start].transpose(0, 1)[None]
-        q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, d]
         if num_cached == 0 and sliding_window is None:
             o = _attend(q, k, v, None, scale, logits_soft_cap, is_causal=True)
         else:

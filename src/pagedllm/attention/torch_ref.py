@@ -39,8 +39,11 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], computed in float32.
+    Everything is read from the caches; `key`/`value` (this step's K/V) are ignored.
 
     `sliding_window`: a query at position p sees keys at positions > p - sliding_window only;
     positions before the first query's window are never read (a sliding layer may have released

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.attention.selector import resolve_backend_name
 from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -82,8 +83,9 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.attention_backend = resolve_backend_name(args.attention_backend, self.device)
         model = get_model_class(config.architecture)(
-            config, attention_backend=args.attention_backend
+            config, attention_backend=self.attention_backend
         )
         try:
             model.load_weights(loaded.weights.items())
@@ -92,7 +94,10 @@ class LLMEngine:
         loaded.weights.clear()  # the model holds copies; free these before quantizing
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.weight_bytes = self._quantize(loaded)
-        logger.info("loaded %s in %.1f s", self.model_name, time.perf_counter() - t0)
+        logger.info(
+            "loaded %s in %.1f s (attention backend: %s)",
+            self.model_name, time.perf_counter() - t0, self.attention_backend,
+        )  # fmt: skip
 
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = list(config.eos_token_ids)

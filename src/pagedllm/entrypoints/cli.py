@@ -29,7 +29,7 @@ _ENGINE_FLAGS = {
     "--preemption-mode": (str, "recompute | swap: what happens to a preempted request's KV cache"),
     "--swap-space": (float, "GiB of CPU memory for swapped-out KV blocks (swap mode; at most "
                             "the KV cache's size)"),
-    "--attention-backend": (str, "auto | sdpa | torch"),
+    "--attention-backend": (str, "auto | cpu | sdpa | torch"),
     "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "
                             "memory (CPU kernels; int4 takes GGUF Q4 blocks as they are)"),
     "--kv-allocation": (str, "paged | max | pow2 | oracle: paged blocks, or one contiguous "

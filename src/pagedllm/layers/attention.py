@@ -63,6 +63,8 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            key=key,
+            value=value,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 

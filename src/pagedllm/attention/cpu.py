@@ -1,0 +1,62 @@
+"""Paged attention through pagedllm's C++ CPU kernel (pagedllm/kernels/csrc/paged_attention.cpp).
+
+The kernel reads K/V through the block tables in place (no gathered copy of the context) for
+decode, chunked prefill and prefill with cached context alike; the torch reference is its oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.sdpa import paged_attention_sdpa, prefill_sdpa
+from pagedllm.kernels import cpu_ops
+
+# Requests with this many query rows or more (prefill chunks) go to SDPA, whose GEMMs beat the
+# kernel's per-row dot products there; fewer (decode, short chunks) to the kernel. Measured with
+# bf16 and fp32 on this project's 2-core AVX-512 machine (docs/performance.md): with 256 cached
+# tokens the kernel is ahead at 4 rows and behind at 8; with none, ahead up to 32.
+MIN_SDPA_QUERY_LEN = 8
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    min_sdpa_query_len: int = MIN_SDPA_QUERY_LEN,
+) -> torch.Tensor:
+    """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference.
+    `key`/`value`: this step's K/V, read directly by fresh prompts (see prefill_sdpa).
+    `min_sdpa_query_len`: 0 sends every request through the kernel."""
+    ops = cpu_ops()
+    head_dim = query.shape[-1]
+    if head_dim % ops.vec_size or head_dim > ops.max_head_dim:  # rows must fill whole vectors
+        return paged_attention_sdpa(
+            query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, key, value
+        )
+    out = torch.empty_like(query)
+    ops.paged_attention(
+        out,
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
+        min_sdpa_query_len,
+    )
+    if min_sdpa_query_len and meta.max_query_len >= min_sdpa_query_len:
+        prefill_sdpa(
+            query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out,
+            min_query_len=min_sdpa_query_len, key=key, value=value,
+        )  # fmt: skip
+    return out

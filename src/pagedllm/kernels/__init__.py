@@ -1,0 +1,112 @@
+"""pagedllm's C++ kernels for CPU, built with torch's extension tools (torch.utils.cpp_extension).
+
+`make setup` builds them once (`python -m pagedllm.kernels`); otherwise the first use builds
+them (a C++ compiler and ninja are needed, about a minute). The build is cached per source,
+torch version and CPU (it is compiled with -march=native) under ~/.cache/pagedllm/kernels, or
+$PAGEDLLM_KERNEL_CACHE.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _capability_flags() -> list[str]:
+    """ATen's at::vec width for this CPU (its CPU_CAPABILITY macros), like ATen's own builds."""
+    flags = set(_cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if {"avx2", "fma"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp", *_capability_flags()]
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded on this machine."""
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for part in (*[p.read_bytes() for p in SOURCES], torch.__version__, sys.version, _cpu_flags()):
+        h.update(part if isinstance(part, bytes) else part.encode())
+    h.update(" ".join(CFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    root = (
+        os.environ.get("PAGEDLLM_KERNEL_CACHE") or Path.home() / ".cache" / "pagedllm" / "kernels"
+    )
+    return Path(root) / build_key()
+
+
+@functools.cache
+def cpu_ops() -> ModuleType:
+    """The compiled module (paged_attention); raises KernelUnavailable with the reason."""
+    name = "pagedllm_cpu_ops"
+    directory = build_directory()
+    library = directory / f"{name}.so"
+    if not library.exists():
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        logger.info("building the C++ CPU kernels in %s (once per machine)", directory)
+        try:
+            cpp_extension.load(
+                name,
+                [str(p) for p in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error
+            raise KernelUnavailable(f"building the C++ CPU kernels failed: {e}") from e
+    # Import by path: the cached library, whatever process built it.
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None:
+        raise KernelUnavailable(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        raise KernelUnavailable(f"loading {library} failed: {e}") from e
+    return module
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels build and load here (a warning says why not, once)."""
+    try:
+        cpu_ops()
+    except KernelUnavailable as e:
+        logger.warning("%s; falling back to the SDPA attention backend", e)
+        return False
+    return True

@@ -1,0 +1,272 @@
+// Paged attention for CPU: reads K/V through the block table in place, one pass over each block,
+// with an online softmax; no contiguous copy of the context is ever made.
+//
+// One work item is (request, KV head, tile of up to kQueryTile query rows). The tile's rows and
+// the query heads sharing the KV head (GQA) are its "slots"; each K row is loaded (and converted
+// to float) once for all slots, and so is each V row. Decode (one row per request), chunked
+// prefill and prefill with cached context are the same loop: row r of a request with q_len rows
+// and seq_len context tokens sits at position seq_len - q_len + r and sees keys up to it (and,
+// with a sliding window, above position - window).
+//
+// Vectorised with ATen's at::vec (AVX-512, AVX2 or plain C++, chosen when it is built).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kQueryTile = 16;
+constexpr int64_t kMaxHeadVecs = 16;  // head_dim up to 16 vectors (256 with AVX-512)
+
+// A row of n * Vec::size() elements of any cache dtype, as floats, into dst (registers or memory).
+template <typename T>
+inline Vec load_vec(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(src);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(src, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t num_vecs) {
+  for (int64_t i = 0; i < num_vecs; ++i) load_vec(src + i * Vec::size()).store(dst + i * Vec::size());
+}
+
+inline float reduce_sum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// One (row, head) slot against keys [lo, hi) of a float block (k, v: [block_size][head_dim]):
+// scores, online-softmax update of (run_max, run_sum), and the weighted sum of V into acc.
+// kVecs > 0 fixes head_dim / Vec::size() at compile time so q and acc live in registers;
+// 0 takes it from num_vecs.
+template <int kVecs>
+inline void attend_block(const float* q, const float* k, const float* v, int64_t lo, int64_t hi,
+                         int64_t num_vecs, float cap, float* scores, float& run_max,
+                         float& run_sum, float* acc) {
+  constexpr int kRegs = kVecs > 0 ? kVecs : 16;
+  const int64_t n = kVecs > 0 ? kVecs : num_vecs;
+  const int64_t head_dim = n * Vec::size();
+  Vec qv[kRegs], av[kRegs];
+  for (int64_t i = 0; i < n; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* kj = k + j * head_dim;
+    Vec sum = qv[0] * Vec::loadu(kj);
+    for (int64_t i = 1; i < n; ++i) sum = at::vec::fmadd(qv[i], Vec::loadu(kj + i * Vec::size()), sum);
+    float x = reduce_sum(sum);
+    if (cap > 0.f) x = cap * std::tanh(x / cap);
+    scores[j] = x;
+    block_max = std::max(block_max, x);
+  }
+  const float new_max = std::max(run_max, block_max);
+  const float correction = run_sum > 0.f ? std::exp(run_max - new_max) : 0.f;
+  run_max = new_max;
+  // Weights exp(score - max), a vector at a time.
+  Vec total(0.f);
+  for (int64_t j = lo; j < hi; j += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), hi - j);
+    Vec p = (Vec::loadu(scores + j, count) - Vec(new_max)).exp_u20();
+    if (count < Vec::size()) p = Vec::set(Vec(0.f), p, count);
+    p.store(scores + j, count);
+    total = total + p;
+  }
+  run_sum = run_sum * correction + reduce_sum(total);
+  for (int64_t i = 0; i < n; ++i) av[i] = Vec::loadu(acc + i * Vec::size()) * Vec(correction);
+  for (int64_t j = lo; j < hi; ++j) {
+    const Vec p(scores[j]);
+    const float* vj = v + j * head_dim;
+    for (int64_t i = 0; i < n; ++i) av[i] = at::vec::fmadd(p, Vec::loadu(vj + i * Vec::size()), av[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) av[i].store(acc + i * Vec::size());
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
+                          float, float*, float&, float&, float*);
+
+inline AttendFn attend_for(int64_t num_vecs) {
+  switch (num_vecs) {
+    case 2: return attend_block<2>;
+    case 4: return attend_block<4>;
+    case 8: return attend_block<8>;
+    case 16: return attend_block<16>;
+    default: return attend_block<0>;
+  }
+}
+
+struct WorkItem {
+  int64_t req, kv_head, row_begin, row_end;  // rows: flattened query indices
+};
+
+template <typename scalar_t>
+void paged_attention_kernel(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+    double logits_soft_cap, int64_t skip_prefill_from) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t table_width = block_tables.size(1);
+  const int64_t num_vecs = head_dim / Vec::size();
+
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  // Strides in elements; the caches are [num_blocks, block_size, kv_heads, head_dim].
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t c_block = k_cache.stride(0), c_token = k_cache.stride(1);
+  const int64_t c_head = k_cache.stride(2);
+  const float cap = static_cast<float>(logits_soft_cap);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const AttendFn attend = attend_for(num_vecs);
+
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    // Long prefill chunks are left to the caller (see cpu.py).
+    if (skip_prefill_from > 0 && q_len >= skip_prefill_from) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t r = qsl[i]; r < qsl[i + 1]; r += kQueryTile) {
+        items.push_back({i, h, r, std::min<int64_t>(r + kQueryTile, qsl[i + 1])});
+      }
+    }
+  }
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_slots = kQueryTile * group;  // (row, head) pairs of a tile
+    std::vector<float> q_buf(max_slots * head_dim), acc(max_slots * head_dim);
+    std::vector<float> k_buf(block_size * head_dim), v_buf(block_size * head_dim);
+    std::vector<float> run_max(max_slots), run_sum(max_slots), scores(block_size);
+
+    for (int64_t w = begin; w < end; ++w) {
+      const WorkItem& it = items[w];
+      const int64_t q_len = qsl[it.req + 1] - qsl[it.req];
+      const int64_t first_pos = lens[it.req] - q_len - qsl[it.req];  // + flattened row index
+      const int64_t rows = it.row_end - it.row_begin, slots = rows * group;
+      // The tile's queries, pre-scaled: q_buf[(r * group + g) * head_dim + d].
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const scalar_t* src = q_ptr + (it.row_begin + r) * q_row + (it.kv_head * group + g) * q_head;
+          float* dst = &q_buf[(r * group + g) * head_dim];
+          for (int64_t i = 0; i < num_vecs; ++i) {
+            (load_vec(src + i * Vec::size()) * Vec(scale)).store(dst + i * Vec::size());
+          }
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + slots * head_dim, 0.f);
+      std::fill(run_max.begin(), run_max.begin() + slots, neg_inf);
+      std::fill(run_sum.begin(), run_sum.begin() + slots, 0.f);
+
+      // Keys the tile can see: [key_begin, key_end).
+      const int64_t pos_begin = first_pos + it.row_begin;
+      const int64_t key_end = first_pos + it.row_end;
+      const int64_t key_begin =
+          sliding_window > 0 ? std::max<int64_t>(0, pos_begin - sliding_window + 1) : 0;
+      const int32_t* table = tables + it.req * table_width;
+
+      for (int64_t blk = key_begin / block_size; blk * block_size < key_end; ++blk) {
+        const int64_t base = blk * block_size;
+        const int64_t j_begin = std::max<int64_t>(key_begin - base, 0);
+        const int64_t j_end = std::min<int64_t>(key_end - base, block_size);
+        const int64_t offset = table[blk] * c_block + it.kv_head * c_head;
+        // The block's K and V rows of this head, as floats, once for all the tile's slots.
+        for (int64_t j = j_begin; j < j_end; ++j) {
+          row_to_float(k_ptr + offset + j * c_token, &k_buf[j * head_dim], num_vecs);
+          row_to_float(v_ptr + offset + j * c_token, &v_buf[j * head_dim], num_vecs);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          // Row r (position pos) sees keys [lo, hi) of this block.
+          const int64_t pos = pos_begin + r;
+          const int64_t lo = sliding_window > 0
+                                 ? std::max<int64_t>(j_begin, pos - sliding_window + 1 - base)
+                                 : j_begin;
+          const int64_t hi = std::min<int64_t>(j_end, pos + 1 - base);
+          if (hi <= lo) continue;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t s = r * group + g;
+            attend(&q_buf[s * head_dim], k_buf.data(), v_buf.data(), lo, hi, num_vecs, cap,
+                   scores.data(), run_max[s], run_sum[s], &acc[s * head_dim]);
+          }
+        }
+      }
+      for (int64_t s = 0; s < slots; ++s) {
+        const int64_t r = s / group, g = s % group;
+        const float inv = 1.f / run_sum[s];
+        scalar_t* dst = o_ptr + (it.row_begin + r) * o_row + (it.kv_head * group + g) * o_head;
+        const float* a = &acc[s * head_dim];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+      }
+    }
+  });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                     int64_t sliding_window, double logits_soft_cap, int64_t skip_prefill_from) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [T, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k/v caches: [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share a layout");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(2) % Vec::size() == 0 && query.size(2) <= kMaxHeadVecs * Vec::size(),
+              "head_dim must be a multiple of ", Vec::size(), " and at most ",
+              kMaxHeadVecs * Vec::size());
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, out and caches must have one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_tables, seq_lens, query_start_loc: int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "metadata tensors must be contiguous");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
+                  block_tables.size(0) == seq_lens.size(0),
+              "one table and length per request");
+  auto run = [&](auto tag) {
+    paged_attention_kernel<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                          query_start_loc, scale, sliding_window,
+                                          logits_soft_cap, skip_prefill_from);
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(at::BFloat16{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, not ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("vec_size") = static_cast<int64_t>(Vec::size());  // head_dim must be a multiple
+  m.attr("max_head_dim") = static_cast<int64_t>(kMaxHeadVecs * Vec::size());
+  m.def("paged_attention", &paged_attention,
+        "paged attention over the block tables: (out, query, k_cache, v_cache, block_tables, "
+        "seq_lens, query_start_loc, scale, sliding_window (0: none), logits_soft_cap (0: none), "
+        "skip_prefill_from (0: none; else requests with at least this many query rows are left to "
+        "the caller: their rows of out are not written))");
+}
