@@ -331,7 +331,8 @@ def _kv_blocks_needed(ns, block_size: int) -> int:
     extra = 4 + ns.num_steps + (1 if ns.profile else 0)  # steps beyond the prompt, with margin
     per = -(-(ns.prompt_len + extra) // block_size)
     per_schedule = -(-(SCHEDULE_PROMPT_LEN + extra) // block_size)
-    return max(ns.num_running * per, ns.schedule_running * per_schedule)
+    per_prefill = -(-(ns.prefill_len + 1) // block_size)  # each phase runs alone
+    return max(ns.num_running * per, ns.schedule_running * per_schedule, per_prefill)
 
 
 def _validate(ns) -> None:
