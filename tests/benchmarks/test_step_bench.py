@@ -122,7 +122,7 @@ def test_whole_benchmark_on_a_tiny_model(tiny_model, tmp_path, capsys):
         assert all(record[k] >= 0 for k in ("schedule", "prepare_inputs", "forward", "sample"))
     for phase in (decode, r["prefill"]):
         shares = [phase["parts"][k]["share"] for k in step.PARTS]
-        assert all(0 <= s <= 1 for s in shares if s >= 0) and sum(shares) == pytest.approx(1)
+        assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1)
         assert 0 <= phase["outside_forward_share"] <= 1
         assert 0 < phase["mfu"] <= 1
     # Contexts: decode tokens attend to the prompt and what came after it; a prefill's mean.
