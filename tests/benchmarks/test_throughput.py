@@ -105,8 +105,9 @@ def test_format_table_has_both_systems_and_the_ratio():
         },  # fmt: skip
         "speedup_output_tokens_per_s": 3.0,
     }
+    results["pagedllm"]["mfu"] = {"mfu": 0.123}
     table = format_table(results)
-    assert "pagedllm" in table and "HF generate (batch 32)" in table
+    assert "pagedllm" in table and "HF generate (batch 32)" in table and "12.3%" in table
     assert "97.0%" in table and "41.0%" in table and "3.00x" in table
     del results["hf"]
     assert "HF" not in format_table(results)
@@ -172,6 +173,22 @@ def test_whole_benchmark_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert results["hf"]["kv_cache"]["used_share"] <= 1
     # Same weights, both greedy in fp32: the outputs agree (up to the first EOS).
     assert results["hf"]["greedy_agreement_with_pagedllm"] > 0.95
+    # MFU against the float32 GEMM peak measured in the same run.
+    mfu = results["pagedllm"]["mfu"]
+    assert 0 < mfu["mfu"] <= 1 and mfu["peak_gflops"] > 0 and mfu["flops_per_token"] > 0
+    assert mfu["gemm_peak"]["dtype"] == "float32"
+    assert mfu["tokens_per_s"] == results["pagedllm"]["total_tokens_per_s"]
+    lens = zip(results["workload"]["input_lens"], results["workload"]["output_lens"], strict=True)
+    assert mfu["mean_context_len"] == pytest.approx(throughput.mean_context_len(lens))
+    assert "[pagedllm] model FLOPs utilisation: " in printed
+
+
+def test_mean_context_len():
+    # One request of 3 prompt + 2 output tokens: they attend to 1, 2, 3, 4 and 5 tokens.
+    assert throughput.mean_context_len([(3, 2)]) == pytest.approx(3.0)
+    # Weighted by tokens: 5 tokens with mean 3, 1 token with mean 1.
+    assert throughput.mean_context_len([(3, 2), (1, 0)]) == pytest.approx(16 / 6)
+    assert throughput.mean_context_len([]) == 0.0
 
 
 def test_others_cpu_share(monkeypatch):

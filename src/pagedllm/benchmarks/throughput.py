@@ -10,6 +10,10 @@ padded Hugging Face batch implies.
 weights: static batches of `--hf-batch-size` in arrival order, left-padded, each batch generating
 the longest output in it. Only useful tokens count (each request's own output_len), so padding and
 over-generation cost HF time without adding to its throughput, exactly as they would in serving.
+
+After the pagedllm run, the GEMM peak of the engine's dtype is measured on the same machine and
+the run's model FLOPs utilisation printed (roofline.py): (prompt + output tokens)/s × FLOPs per
+token at the run's mean context ÷ that peak.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pagedllm.benchmarks import roofline
 from pagedllm.benchmarks.workload import (
     KVSlotUsage,
     WorkloadRequest,
@@ -217,6 +222,49 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     }
 
 
+def mean_context_len(lengths: Iterable[tuple[int, int]]) -> float:
+    """Mean context a processed token attends to, over (prompt_len, output_len) requests.
+
+    Each of a request's L = prompt + output tokens is counted once, the t-th (1-based) attending
+    to t tokens, itself included: Σ t = L(L+1)/2 per request. This is the prompt tokens seeing
+    on average (prompt+1)/2 and output token j seeing prompt + j, give or take one token (the
+    last sampled token is never fed back, the first comes from the last prompt position).
+    Prefix-cache hits, which skip prompt tokens, are not subtracted.
+    """
+    total = weighted = 0
+    for prompt_len, output_len in lengths:
+        n = prompt_len + output_len
+        total += n
+        weighted += n * (n + 1) // 2
+    return weighted / total if total else 0.0
+
+
+def mfu_figures(
+    config, total_tokens_per_s: float, context_len: float, peak: dict[str, Any]
+) -> dict[str, Any]:
+    """The MFU entry of the JSON results: the figure and every number it is made of."""
+    fpt = roofline.flops_per_token(config, context_len)
+    peak_flops = peak["best_gflops"] * 1e9
+    return {
+        "mfu": roofline.mfu(total_tokens_per_s, fpt, peak_flops),
+        "model_gflops": total_tokens_per_s * fpt / 1e9,
+        "peak_gflops": peak["best_gflops"],
+        "flops_per_token": fpt,
+        "mean_context_len": context_len,
+        "tokens_per_s": total_tokens_per_s,
+        "gemm_peak": peak,
+    }
+
+
+def mfu_line(name: str, m: dict[str, Any]) -> str:
+    return (
+        f"[{name}] model FLOPs utilisation: {m['mfu']:.1%} ({m['model_gflops']:.1f} GFLOP/s of "
+        f"{m['peak_gflops']:.1f} GFLOP/s peak {m['gemm_peak']['dtype']} GEMM measured now; "
+        f"{m['flops_per_token'] / 1e6:.1f} MFLOP/token at mean context "
+        f"{m['mean_context_len']:.1f})"
+    )
+
+
 # -- HF transformers baseline -------------------------------------------------------------------
 def resolve_hf_source(model: str | None) -> tuple[Path, str | None]:
     """(directory, GGUF file name or None) for transformers' `from_pretrained`, from the same
@@ -376,7 +424,8 @@ def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    rows = [("system", "requests/s", "output tok/s", "total tok/s", "time (s)", "KV slots used")]
+    rows = [("system", "requests/s", "output tok/s", "total tok/s", "time (s)", "KV slots used",
+             "MFU")]  # fmt: skip
     p = results["pagedllm"]
     rows.append(
         (
@@ -386,6 +435,7 @@ def format_table(results: dict[str, Any]) -> str:
             f"{p['total_tokens_per_s']:.1f}",
             f"{p['elapsed_s']:.1f}",
             f"{p['kv_cache']['used_share_at_peak']:.1%} at peak",
+            f"{p['mfu']['mfu']:.1%}" if "mfu" in p else "-",
         )
     )
     hf = results.get("hf")
@@ -398,6 +448,7 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{hf['total_tokens_per_s']:.1f}",
                 f"{hf['elapsed_s']:.1f}",
                 f"{hf['kv_cache']['used_share']:.1%} of static",
+                "-",
             )
         )
     lines = table_lines(rows)
@@ -477,6 +528,12 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             f"expected {num_out}",
             file=sys.stderr,
         )
+    # MFU: the peak is measured now, after the run, in the dtype the engine ran in.
+    peak = roofline.measure_gemm_peak(engine.dtype, device=engine.device)
+    print(f"[pagedllm] {roofline.gemm_peak_line(peak)}")
+    context = mean_context_len((len(p), n) for p, n in requests)
+    paged["mfu"] = mfu_figures(engine.model_config, paged["total_tokens_per_s"], context, peak)
+    print(mfu_line("pagedllm", paged["mfu"]))
     hf_model = engine_args.model
     del llm, engine
     gc.collect()

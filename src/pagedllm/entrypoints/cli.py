@@ -333,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         sharing,
         sliding_window,
         soak,
+        step,
         throughput,
     )
     from pagedllm.benchmarks import serve as serve_bench
@@ -358,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
          "Poisson arrivals on a virtual clock"),
         ("peers", peers, "pagedllm's HTTP server, llama.cpp's llama-server and HF static "
          "batching side by side: output tokens/s at each concurrency, single-stream decode"),
+        ("step", step, "where an engine step's time goes: schedule, input preparation, forward, "
+         "sampling, output processing; prefill speed; schedule() at 256 running; MFU"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)
