@@ -20,7 +20,7 @@ from pagedllm.attention import (
     paged_attention_sdpa,
     write_kv_cache,
 )
-from pagedllm.attention.cpu import paged_attention_cpu
+from pagedllm.attention.cpu import paged_attention_cpu, write_kv_cache_cpu
 
 BACKENDS = {
     "torch": paged_attention_ref,
@@ -167,13 +167,16 @@ def test_bfloat16_close_to_dense(backend):
         )
 
 
+@pytest.mark.parametrize("writer", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_write_kv_cache_puts_each_token_in_its_slot(block_size):
+def test_write_kv_cache_puts_each_token_in_its_slot(block_size, dtype, writer):
     reqs = scenario("mixed", block_size, seed=11)
-    b = build_batch(reqs, block_size, 6, 2, 64, seed=11)
+    b = build_batch(reqs, block_size, 6, 2, 64, dtype=dtype, seed=11)
     k_cache, v_cache, meta = b["k_cache"], b["v_cache"], b["meta"]
     untouched_before = k_cache.isnan().all(-1).all(-1)  # [num_blocks, block_size]
-    write_kv_cache(b["key"], b["value"], k_cache, v_cache, meta.slot_mapping)
+    write = write_kv_cache if writer == "torch" else write_kv_cache_cpu
+    write(b["key"], b["value"], k_cache, v_cache, meta.slot_mapping)
     written = torch.zeros_like(untouched_before)
     for t, slot in enumerate(meta.slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
@@ -297,3 +300,12 @@ def test_cpu_backend_falls_back_to_sdpa_for_head_dims_the_kernel_cannot_vectoris
         torch.testing.assert_close(
             rows, dense_causal_attention(q, k, v, 0.125).float(), atol=1e-5, rtol=0
         )
+
+
+def test_cpu_cache_write_refuses_a_slot_outside_the_pool():
+    k_cache = torch.zeros(2, 4, 1, 16)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(1, 1, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        write_kv_cache_cpu(key, key, k_cache, v_cache, torch.tensor([8]))
+    assert not k_cache.any()

@@ -60,3 +60,16 @@ def paged_attention_cpu(
             min_query_len=min_sdpa_query_len, key=key, value=value,
         )  # fmt: skip
     return out
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Like torch_ref.write_kv_cache (its oracle), as one C++ row copy per token."""
+    cpu_ops().reshape_and_cache(
+        key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping
+    )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.cpu import paged_attention_cpu
+from pagedllm.attention.cpu import paged_attention_cpu, write_kv_cache_cpu
 from pagedllm.attention.sdpa import paged_attention_sdpa
 from pagedllm.attention.torch_ref import paged_attention_ref, write_kv_cache
 
@@ -25,7 +25,7 @@ class AttentionBackend:
 _BACKENDS = {
     "torch": AttentionBackend("torch", paged_attention_ref),
     "sdpa": AttentionBackend("sdpa", paged_attention_sdpa),
-    "cpu": AttentionBackend("cpu", paged_attention_cpu),
+    "cpu": AttentionBackend("cpu", paged_attention_cpu, write_kv_cache_cpu),
 }
 
 

@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -259,11 +260,55 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// key/value [T, kv_heads, head_dim] into the caches at flat slots slot_mapping[T]
+// (block_id * block_size + offset): vLLM's reshape_and_cache. A row copy per token; torch's
+// index_copy_ over the cache's flattened view took ~0.2 ms per call for 64 tokens here.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key/value: [T, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.strides() == v_cache.strides(),
+              "k/v caches: [num_blocks, block_size, kv_heads, head_dim], one layout");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              "key/value heads and head_dim must match the cache");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
+              "key/value must have the cache's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping: [T] int64");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
+                  k_cache.stride(2) == k_cache.size(3) && k_cache.stride(3) == 1,
+              "each cache token row and each key/value head must be contiguous");
+  const int64_t num_tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t row_bytes = head_dim * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+  }
+  auto* k_base = static_cast<char*>(k_cache.data_ptr());
+  auto* v_base = static_cast<char*>(v_cache.data_ptr());
+  const auto* key_ptr = static_cast<const char*>(key.data_ptr());
+  const auto* value_ptr = static_cast<const char*>(value.data_ptr());
+  const int64_t es = key.element_size();
+  const int64_t c_block = k_cache.stride(0) * es, c_token = k_cache.stride(1) * es;
+  const int64_t c_head = k_cache.stride(2) * es;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t dst = (slots[t] / block_size) * c_block + (slots[t] % block_size) * c_token;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(k_base + dst + h * c_head, key_ptr + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+      std::memcpy(v_base + dst + h * c_head, value_ptr + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vec_size") = static_cast<int64_t>(Vec::size());  // head_dim must be a multiple
   m.attr("max_head_dim") = static_cast<int64_t>(kMaxHeadVecs * Vec::size());
+  m.def("reshape_and_cache", &reshape_and_cache,
+        "write key/value [T, kv_heads, head_dim] into the caches at slot_mapping [T] (int64)");
   m.def("paged_attention", &paged_attention,
         "paged attention over the block tables: (out, query, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, scale, sliding_window (0: none), logits_soft_cap (0: none), "
