@@ -14,7 +14,8 @@ def test_block_size_smoke(tmp_path, capsys):
     save_tiny_llama(tmp_path / "model")
     out_json, png = tmp_path / "bs.json", tmp_path / "bs.png"
     rc = cli_main([
-        "bench", "block-size", "--model", str(tmp_path / "model"), "--max-model-len", "128",
+        "bench", "block-size", "--model", str(tmp_path / "model"), "--dtype", "float32",
+        "--max-model-len", "128",
         "--kv-cache-memory", "128KiB", "--max-num-seqs", "8", "--num-prompts", "8",
         "--block-sizes", "1,4,32", "--sharegpt-rate", "50", "--alpaca-rate", "100",
         "--sharegpt-scale", "0.1", "--alpaca-scale", "0.5",

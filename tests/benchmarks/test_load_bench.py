@@ -44,7 +44,9 @@ def test_poisson_arrivals_are_seeded_and_increasing():
 def test_virtual_clock_skips_idle_gaps(tiny_path):
     from pagedllm.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineArgs(model=tiny_path, kv_cache_memory="1MiB", block_size=4))
+    engine = LLMEngine(
+        EngineArgs(dtype="float32", model=tiny_path, kv_cache_memory="1MiB", block_size=4)
+    )
     requests = [([5, 9, 3], 4), ([17, 4, 88, 23, 6], 6), ([100], 2)]
     arrivals = [0.0, 1000.0, 5000.0]  # far apart: the engine idles between them
     r = load.drive(engine, requests, arrivals, timer=FakeTimer(0.5), keep_trace=True)
@@ -65,7 +67,9 @@ def test_virtual_clock_skips_idle_gaps(tiny_path):
 def test_virtual_clock_batches_simultaneous_arrivals(tiny_path):
     from pagedllm.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineArgs(model=tiny_path, kv_cache_memory="1MiB", block_size=4))
+    engine = LLMEngine(
+        EngineArgs(dtype="float32", model=tiny_path, kv_cache_memory="1MiB", block_size=4)
+    )
     requests = [([5, 9, 3], 4), ([17, 4, 88], 4), ([100, 7], 4)]
     r = load.drive(engine, requests, [0.0, 0.0, 0.0], timer=FakeTimer(1.0))
     assert r["num_steps"] == 4 and r["mean_batched_requests"] == 3.0
@@ -75,7 +79,7 @@ def test_virtual_clock_batches_simultaneous_arrivals(tiny_path):
 def test_load_smoke(tiny_path, tmp_path, capsys):
     out_json, png = tmp_path / "load.json", tmp_path / "load.png"
     rc = cli_main([
-        "bench", "load", "--model", tiny_path, "--max-model-len", "128",
+        "bench", "load", "--model", tiny_path, "--dtype", "float32", "--max-model-len", "128",
         "--kv-cache-memory", "64KiB", "--max-num-seqs", "6", "--num-prompts", "10",
         "--policies", "paged", "--sharegpt-rates", "20,200", "--alpaca-rates", "100",
         "--sharegpt-scale", "0.1", "--alpaca-scale", "0.5",
@@ -101,7 +105,9 @@ def test_load_smoke(tiny_path, tmp_path, capsys):
 
 
 def test_bad_policy_is_refused(tiny_path, capsys):
-    rc = cli_main(["bench", "load", "--model", tiny_path, "--policies", "paged,best"])
+    rc = cli_main(
+        ["bench", "load", "--model", tiny_path, "--dtype", "float32", "--policies", "paged,best"]
+    )
     assert rc == 2
     assert "--policies" in capsys.readouterr().err
 
@@ -111,7 +117,7 @@ def test_max_reservations_batch_fewer_requests_than_paging(tiny_path):
     from pagedllm.engine.llm_engine import LLMEngine
 
     # 512 slots: 4 reservations of max_model_len 128, or many short paged requests.
-    args = EngineArgs(model=tiny_path, kv_cache_memory="256KiB", max_model_len=128,
+    args = EngineArgs(dtype="float32", model=tiny_path, kv_cache_memory="256KiB", max_model_len=128,
                       max_num_seqs=16, enable_prefix_caching=False)  # fmt: skip
     engine = LLMEngine(args)
     requests = sharegpt_like_workload(16, 128, scale=0.1, seed=1, max_model_len=128)

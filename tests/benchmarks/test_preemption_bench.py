@@ -120,7 +120,9 @@ def tiny_model(tmp_path_factory):
 def engine(tiny_model):
     from pagedllm.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineArgs(model=tiny_model, max_model_len=16, num_gpu_blocks_override=1))
+    return LLMEngine(
+        EngineArgs(dtype="float32", model=tiny_model, max_model_len=16, num_gpu_blocks_override=1)
+    )
 
 
 def _measure(engine, block_size, context_len=32, **kwargs):
@@ -161,7 +163,7 @@ def test_recovery_part_on_a_tiny_model(tiny_model, tmp_path, capsys):
     out = tmp_path / "recovery.json"
     ns = _parse(["--part", "recovery", "--block-sizes", "1,4,16", "--context-lens", "32,48",
                  "--repeats", "2", "--swap-repeats", "3", "--output-json", str(out)])  # fmt: skip
-    assert preemption.main(ns, EngineArgs(model=tiny_model)) == 0
+    assert preemption.main(ns, EngineArgs(dtype="float32", model=tiny_model)) == 0
     printed = capsys.readouterr().out
     assert "RAM-to-RAM" in printed and "recompute / swap" in printed and "Fig. 19" in printed
     results = json.loads(out.read_text())
@@ -180,7 +182,7 @@ def test_recovery_part_on_a_tiny_model(tiny_model, tmp_path, capsys):
 def test_recovery_refuses_a_context_beyond_the_model(tiny_model):
     ns = _parse(["--part", "recovery", "--context-lens", "300"])
     with pytest.raises(ValueError, match="context length 256"):
-        preemption.main(ns, EngineArgs(model=tiny_model))
+        preemption.main(ns, EngineArgs(dtype="float32", model=tiny_model))
 
 
 def _throughput_ns(out, *extra):
@@ -192,7 +194,7 @@ def _throughput_ns(out, *extra):
 def test_throughput_part_on_a_tiny_model(tiny_model, tmp_path, capsys):
     out = tmp_path / "throughput.json"
     # --num-gpu-blocks-override is the benchmark's own: ignored, with a note.
-    args = EngineArgs(model=tiny_model, block_size=4, num_gpu_blocks_override=3)
+    args = EngineArgs(dtype="float32", model=tiny_model, block_size=4, num_gpu_blocks_override=3)
     assert preemption.main(_throughput_ns(out, "--pool-fractions", "0.25"), args) == 0
     captured = capsys.readouterr()
     assert "--num-gpu-blocks-override" in captured.err
@@ -239,7 +241,7 @@ def test_throughput_part_reports_a_mismatch(tiny_model, tmp_path, monkeypatch, c
     out = tmp_path / "mismatch.json"
     # 10% of 108 blocks is below one request of max_model_len 96 (24 blocks): raised to it.
     ns = _throughput_ns(out, "--modes", "swap", "--pool-fractions", "0.1")
-    assert preemption.main(ns, EngineArgs(model=tiny_model, block_size=4)) == 1
+    assert preemption.main(ns, EngineArgs(dtype="float32", model=tiny_model, block_size=4)) == 1
     printed = capsys.readouterr().out
     assert "DIFFER from the 100% run" in printed and "NOT identical" in printed
     assert "the pool is raised to 24 blocks" in printed and "10%*" in printed

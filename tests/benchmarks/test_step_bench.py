@@ -103,8 +103,8 @@ def test_whole_benchmark_on_a_tiny_model(tiny_model, tmp_path, capsys):
                  "--prefill-len", "20", "--schedule-running", "12", "--profile",
                  "--output-json", str(out_json)])  # fmt: skip
     # max_num_seqs below --schedule-running: the bench raises it.
-    engine_args = EngineArgs(model=tiny_model, kv_cache_memory="8MiB", block_size=4,
-                             max_num_seqs=8)  # fmt: skip
+    engine_args = EngineArgs(dtype="float32", model=tiny_model, kv_cache_memory="8MiB",
+                             block_size=4, max_num_seqs=8)  # fmt: skip
     assert step.main(ns, engine_args) == 0
     printed = capsys.readouterr().out
     for line in ("outside the forward pass: ", "prefill: ", "schedule() at 12 running: ",
@@ -138,7 +138,9 @@ def test_whole_benchmark_on_a_tiny_model(tiny_model, tmp_path, capsys):
 
 
 def test_rejects_bad_sizes(tiny_model):
-    engine_args = EngineArgs(model=tiny_model, kv_cache_memory="8MiB", block_size=4)
+    engine_args = EngineArgs(
+        dtype="float32", model=tiny_model, kv_cache_memory="8MiB", block_size=4
+    )
     with pytest.raises(ValueError, match="--num-running"):
         step.main(_parse(["--num-running", "0"]), engine_args)
     with pytest.raises(ValueError, match="max_model_len"):  # the tiny model has 256 positions

@@ -160,7 +160,7 @@ def test_whole_benchmark_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench.json"
     ns = _parse(["--num-prompts", "6", "--scale", "0.1", "--baseline", "hf",
                  "--hf-batch-size", "4", "--output-json", str(out)])  # fmt: skip
-    engine_args = EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=4)
+    engine_args = EngineArgs(dtype="float32", model=str(path), kv_cache_memory="8MiB", block_size=4)
     assert throughput.main(ns, engine_args) == 0
     printed = capsys.readouterr().out
     assert "pagedllm / HF, useful output tokens/s" in printed

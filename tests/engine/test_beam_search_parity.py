@@ -63,7 +63,7 @@ def assert_matches_hf(results, prompts, expected, length_penalty):
 def tiny_gguf_llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-gguf-beam") / "tiny.gguf"
     write_tiny_llama(path, random_hf_weights(len(gpt2_vocab()[0])))
-    return LLM(model=str(path), kv_cache_memory="8MiB", block_size=4)
+    return LLM(dtype="float32", model=str(path), kv_cache_memory="8MiB", block_size=4)
 
 
 def test_beam_search_api_shape(tiny_gguf_llm):
@@ -142,7 +142,7 @@ TINY_PROMPTS = [[5, 9, 3], [17, 4, 88, 23, 6, 70, 11, 42, 9, 1, 66], [100]]
 def tiny_hf(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-beam")
     model = save_tiny_llama(path)
-    llm = LLM(model=str(path), kv_cache_memory="8MiB", block_size=4)
+    llm = LLM(dtype="float32", model=str(path), kv_cache_memory="8MiB", block_size=4)
     return model, llm
 
 
@@ -218,7 +218,7 @@ DEFAULT_MODEL_CASES = [
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(kv_cache_memory="256MiB", max_model_len=1024)
+    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def tiny(tmp_path_factory):
 
 
 def run(path, **engine_kwargs):
-    llm = LLM(model=path, kv_cache_memory="8MiB", **engine_kwargs)
+    llm = LLM(dtype="float32", model=path, kv_cache_memory="8MiB", **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     llm.llm_engine.scheduler.check_integrity()
@@ -67,7 +67,7 @@ def test_one_request_at_a_time_equals_batched(tiny):
 
 def test_prompt_too_long_and_bad_token_rejected_without_leaking(tiny):
     path, _ = tiny
-    llm = LLM(model=path, kv_cache_memory="8MiB", max_model_len=64)
+    llm = LLM(dtype="float32", model=path, kv_cache_memory="8MiB", max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [3] * 64}, use_tqdm=False)
     with pytest.raises(ValueError, match="out of range"):
@@ -84,17 +84,19 @@ def test_prompt_too_long_and_bad_token_rejected_without_leaking(tiny):
 def test_kv_cache_too_small_for_max_model_len_fails_at_start(tiny):
     path, _ = tiny
     with pytest.raises(ValueError, match="kv-cache-memory"):
-        LLM(model=path, num_gpu_blocks_override=3, block_size=16, max_model_len=256)
+        LLM(
+            dtype="float32", model=path, num_gpu_blocks_override=3, block_size=16, max_model_len=256
+        )
 
 
 def test_unknown_engine_argument_is_a_type_error(tiny):
     with pytest.raises(TypeError, match="block_sise"):
-        LLM(model=tiny[0], block_sise=16)
+        LLM(dtype="float32", model=tiny[0], block_sise=16)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     path, _ = tiny
-    llm = LLM(model=path, kv_cache_memory="8MiB")
+    llm = LLM(dtype="float32", model=path, kv_cache_memory="8MiB")
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)[0]
     noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
@@ -108,7 +110,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
 def test_logprobs_match_hf_log_softmax(tiny, tmp_path):
     path, _ = tiny
     model = save_tiny_llama(tmp_path)  # same seed: the same weights as `path`
-    llm = LLM(model=path, kv_cache_memory="8MiB")
+    llm = LLM(dtype="float32", model=path, kv_cache_memory="8MiB")
     # ignore_eos, not min_tokens: masking EOS would make the sampled token differ from the top-1
     # of the raw logprobs (which is what logprobs report, as in vLLM).
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -129,7 +131,7 @@ def test_logprobs_match_hf_log_softmax(tiny, tmp_path):
 
 def test_profile_run_leaves_the_kv_cache_alone(tiny):
     # The CUDA memory profile runs this pass; on CPU we check it runs and restores the pool.
-    llm = LLM(model=tiny[0], kv_cache_memory="8MiB")
+    llm = LLM(dtype="float32", model=tiny[0], kv_cache_memory="8MiB")
     runner = llm.llm_engine.runner
     before = runner.kv_caches
     runner.profile_run(num_tokens=100, num_logits=8)
@@ -139,7 +141,7 @@ def test_profile_run_leaves_the_kv_cache_alone(tiny):
 
 def test_token_counters_count_prefill_and_sampled_tokens(tiny):
     path, _ = tiny
-    llm = LLM(model=path, kv_cache_memory="8MiB", enable_prefix_caching=False,
+    llm = LLM(dtype="float32", model=path, kv_cache_memory="8MiB", enable_prefix_caching=False,
               max_num_batched_tokens=256)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]

@@ -79,7 +79,7 @@ def prompts_and_expected(hf_gemma3):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="gemma3-270m", kv_cache_memory="256MiB", max_model_len=2048)
+    return LLM(dtype="float32", model="gemma3-270m", kv_cache_memory="256MiB", max_model_len=2048)
 
 
 def test_config(llm):
@@ -108,7 +108,8 @@ def test_long_prompt_in_chunks_matches_transformers(prompts_and_expected):
     each sliding group's table stays within the window plus a chunk."""
     prompts, expected = prompts_and_expected
     llm = LLM(
-        model="gemma3-270m", kv_cache_memory="256MiB", max_model_len=2048, block_size=32,
+        model="gemma3-270m", dtype="float32", kv_cache_memory="256MiB", max_model_len=2048,
+        block_size=32,
         max_num_batched_tokens=100, enable_prefix_caching=False,
     )  # fmt: skip
     engine = llm.llm_engine

@@ -32,7 +32,7 @@ def tiny(tmp_path_factory):
 def make_llm(path, **kwargs):
     kwargs.setdefault("block_size", BLOCK)
     kwargs.setdefault("max_model_len", 64)
-    return LLM(model=path, **kwargs)
+    return LLM(model=path, dtype="float32", **kwargs)
 
 
 def greedy(max_tokens):
@@ -311,7 +311,7 @@ DEFAULT_PROMPTS = [
 def test_default_model_heavy_preemption_gives_the_unconstrained_outputs():
     kwargs = dict(max_model_len=64, block_size=8)
     params = [greedy(24 + (i % 3) * 4) for i in range(len(DEFAULT_PROMPTS))]
-    big = LLM(num_gpu_blocks_override=200, **kwargs)
+    big = LLM(dtype="float32", num_gpu_blocks_override=200, **kwargs)
     tokenizer = big.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
     demand = sum(cdiv(len(p) + sp.max_tokens, 8) for p, sp in zip(prompts, params, strict=True))
@@ -321,8 +321,8 @@ def test_default_model_heavy_preemption_gives_the_unconstrained_outputs():
     assert big.llm_engine.scheduler.num_preemptions_total == 0
     del big
     for mode in ("swap", "recompute"):
-        llm = LLM(num_gpu_blocks_override=num_blocks, preemption_mode=mode, swap_space=0.01,
-                  **kwargs)  # fmt: skip
+        llm = LLM(dtype="float32", num_gpu_blocks_override=num_blocks, preemption_mode=mode,
+                  swap_space=0.01, **kwargs)  # fmt: skip
         assert run_engine(llm, prompts, params) == expected, mode
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_preemptions_total > 0

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 
 def make_llm(path, **kwargs):
-    return LLM(model=path, kv_cache_memory="8MiB", **kwargs)
+    return LLM(dtype="float32", model=path, kv_cache_memory="8MiB", **kwargs)
 
 
 def generate(llm, prompts):

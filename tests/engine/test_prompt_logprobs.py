@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 )
 def test_prompt_logprobs_equal_hf(tiny, engine_kwargs):
     path, ref = tiny
-    llm = LLM(path, block_size=4, kv_cache_memory="4MiB", **engine_kwargs)
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory="4MiB", **engine_kwargs)
     # The prompt is cached first: a request asking prompt logprobs must still compute it all.
     llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
     k = 3
@@ -48,6 +48,6 @@ def test_prompt_logprobs_equal_hf(tiny, engine_kwargs):
 
 def test_no_prompt_logprobs_unless_asked(tiny):
     path, _ = tiny
-    llm = LLM(path, block_size=4, kv_cache_memory="4MiB")
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory="4MiB")
     out = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
     assert out[0].prompt_logprobs is None

@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 def make_llm(path, **kwargs):
     kwargs.setdefault("block_size", 4)
     kwargs.setdefault("kv_cache_memory", "4MiB")
-    return LLM(model=path, **kwargs)
+    return LLM(model=path, dtype="float32", **kwargs)
 
 
 def generate(llm, prompts, params):

@@ -47,7 +47,7 @@ def run(model_dir, num_blocks):
     path, _ = model_dir
     engine = LLMEngine(
         EngineArgs(
-            model=str(path), block_size=BLOCK, num_gpu_blocks_override=num_blocks,
+            model=str(path), dtype="float32", block_size=BLOCK, num_gpu_blocks_override=num_blocks,
             max_num_batched_tokens=CHUNK, max_model_len=72,
         )
     )  # fmt: skip

@@ -43,7 +43,9 @@ def tiny_gguf(tmp_path_factory):
 
 
 def make_engine(path: str, **kwargs) -> AsyncLLMEngine:
-    args = dict(model=path, max_model_len=512, block_size=16, kv_cache_memory="64MiB")
+    args = dict(
+        model=path, dtype="float32", max_model_len=512, block_size=16, kv_cache_memory="64MiB"
+    )
     args["max_num_seqs"] = 32  # below the clients' concurrency: some requests always wait
     return AsyncLLMEngine(LLMEngine(EngineArgs(**{**args, **kwargs})))
 

@@ -168,7 +168,13 @@ def test_whole_engine_gives_hf_greedy_tokens(name, tmp_path):
     """LLM (scheduler, KV cache manager, runner) on the saved model, chunked prefill and all."""
     hf, expected = hf_reference(name)
     hf.save_pretrained(tmp_path)
-    llm = LLM(model=str(tmp_path), kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=7)
+    llm = LLM(
+        dtype="float32",
+        model=str(tmp_path),
+        kv_cache_memory="4MiB",
+        block_size=4,
+        max_num_batched_tokens=7,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, min_tokens=MAX_NEW_TOKENS)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in expected]

@@ -289,7 +289,10 @@ def _pagedllm_dtype(engine_args: EngineArgs, weights_line: str | None) -> str:
             return found[-1]
     if engine_args.dtype != "auto":
         return engine_args.dtype
-    return "float32" if engine_args.quantization == "none" else "bfloat16"
+    from pagedllm.engine.llm_engine import auto_dtype, resolve_device
+
+    dtype = auto_dtype(resolve_device(engine_args.device), engine_args.quantization)
+    return str(dtype).removeprefix("torch.")
 
 
 def llama_server_argv(
