@@ -15,6 +15,7 @@ from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
 from pagedllm.layers.quantization import Int4Weight, quantize_model, weight_bytes
 from pagedllm.model_loader import load_model
 from pagedllm.models.registry import get_model_class
@@ -114,6 +115,13 @@ class LLMEngine:
         loaded.weights.clear()  # the model holds copies; free these before quantizing
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.weight_bytes = self._quantize(loaded)
+        if can_pack(self.dtype, self.device):
+            added = pack_linear_weights(self.model)
+            self.weight_bytes += added
+            logger.info(
+                "bfloat16 projections prepacked for oneDNN (+%.1f MiB for tied copies)",
+                added / 2**20,
+            )
         logger.info(
             "loaded %s in %.1f s (attention backend: %s)",
             self.model_name, time.perf_counter() - t0, self.attention_backend,

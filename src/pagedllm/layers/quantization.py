@@ -171,7 +171,8 @@ def weight_bytes(module: nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
-    return total
+    # Prepacked weights (layers/packed_linear.py) are neither parameters nor buffers.
+    return total + sum(getattr(m, "nbytes", 0) for m in module.modules())
 
 
 def validate_method(method: str) -> None:
