@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from pagedllm import kernels
 from pagedllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from pagedllm.layers.rotary import compute_inv_freq
 
@@ -82,15 +83,47 @@ def test_rope_scaling_types():
         RotaryEmbedding(HEAD_DIM, 1024, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_hf_exactly(dtype):
+def test_rmsnorm_matches_hf(dtype, fused, monkeypatch):
+    """Exactly, but for the fused C++ kernel in float32: its sum of squares adds in another
+    order than torch's vectorised reduction, so the scale may differ in the last bit."""
+    if not fused:
+        monkeypatch.setattr(kernels, "fused_cpu_ops_apply", lambda x: False)
     hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
     ours = RMSNorm(96, eps=1e-5, dtype=dtype)
     with torch.no_grad():
         hf.weight.copy_(torch.randn(96))
         ours.weight.copy_(hf.weight)
     x = (3 * torch.randn(7, 96)).to(dtype)
-    torch.testing.assert_close(ours(x), hf(x), atol=0, rtol=0)
+    tol = 2e-7 if fused and dtype == torch.float32 else 0
+    torch.testing.assert_close(ours(x), hf(x), atol=tol * 10, rtol=tol)
+    # With a residual: (norm(x + residual), x + residual), the sum rounded to dtype.
+    residual = torch.randn(7, 96).to(dtype)
+    out, new_residual = ours(x, residual.clone())
+    torch.testing.assert_close(new_residual, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, hf(x + residual), atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [HEAD_DIM, HEAD_DIM // 2])
+def test_fused_rotary_equals_the_torch_path(dtype, rotary_dim, monkeypatch):
+    """The C++ rotary (in place, on strided q/k slices of a fused qkv) gives the torch code's
+    values exactly: it rounds each product and sum to dtype where torch does."""
+    rope = RotaryEmbedding(HEAD_DIM, 512, 10000.0, rotary_dim=rotary_dim).to(dtype)
+    positions = torch.tensor([0, 5, 511, 17, 3])
+    qkv = torch.randn(5, 6 * HEAD_DIM).to(dtype)
+    q, k = qkv[:, : 4 * HEAD_DIM], qkv[:, 4 * HEAD_DIM : 5 * HEAD_DIM]
+    monkeypatch.setattr(kernels, "fused_cpu_ops_apply", lambda x: False)
+    want_q, want_k = rope.apply(q.clone(), k.clone(), rope.cos_sin(positions, dtype))
+    monkeypatch.undo()
+    cos_sin = rope.cos_sin(positions, dtype)
+    assert cos_sin[0] is None  # the fused path
+    v_before = qkv[:, 5 * HEAD_DIM :].clone()
+    got_q, got_k = rope.apply(q, k, cos_sin)
+    torch.testing.assert_close(got_q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
+    assert torch.equal(qkv[:, 5 * HEAD_DIM :], v_before)  # v untouched
 
 
 def test_silu_and_mul():

@@ -22,7 +22,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")
+]
 
 
 def _cpu_flags() -> str:
@@ -45,7 +47,8 @@ def _capability_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp", *_capability_flags()]
+# -ffp-contract=off: no fused multiply-adds the torch code they mirror does not have.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *_capability_flags()]
 
 
 class KernelUnavailable(RuntimeError):
@@ -110,3 +113,11 @@ def available() -> bool:
         logger.warning("%s; falling back to the SDPA attention backend", e)
         return False
     return True
+
+
+def fused_cpu_ops_apply(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels (RMSNorm, rotary) take `x`: a CPU tensor, outside
+    autograd, on a machine where the kernels build."""
+    return (
+        x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad) and available()
+    )

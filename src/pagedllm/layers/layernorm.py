@@ -3,16 +3,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import kernels
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, like HF's LlamaRMSNorm."""
+    """RMSNorm computed in float32 and cast back before the weight, like HF's LlamaRMSNorm.
+
+    With `residual`, x + residual is normalised and returned too (the decoder's residual
+    stream), as vLLM's fused_add_rms_norm. On CPU both run as one C++ call (pagedllm.kernels)
+    that rounds where this torch code rounds."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if kernels.fused_cpu_ops_apply(x):
+            x2d = x.reshape(-1, x.shape[-1])
+            out = torch.empty_like(x2d)
+            if residual is None:
+                kernels.cpu_ops().rms_norm(out, x2d.contiguous(), self.weight, None, self.eps)
+                return out.view(x.shape)
+            # residual becomes x + residual, in place: it is the caller's own running sum.
+            kernels.cpu_ops().rms_norm(out, x2d.contiguous(), self.weight, residual, self.eps)
+            return out.view(x.shape), residual
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from pagedllm import kernels
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -96,14 +98,36 @@ class RotaryEmbedding(nn.Module):
         return self.apply(query, key, self.cos_sin(positions, query.dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """The [T, 1, d/2] cos and sin of `positions`: gathered once a step for all layers."""
+        """(cos, sin, positions): the [T, 1, d/2] cos and sin of `positions`, gathered once a
+        step for all layers; (None, None, positions) where the fused CPU kernel rotates."""
+        if kernels.fused_cpu_ops_apply(positions):
+            return None, None, positions
         cos = self.cos_cache[positions].to(dtype)[:, None, :]
         sin = self.sin_cache[positions].to(dtype)[:, None, :]
-        return cos, sin
+        return cos, sin, positions
 
     def apply(self, query: torch.Tensor, key: torch.Tensor, cos_sin):
-        cos, sin = cos_sin
+        cos, sin, positions = cos_sin
+        if cos is None:
+            return self._rotate_fused(query, positions), self._rotate_fused(key, positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate_fused(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """In place, in one C++ call; cos/sin rounded to x's dtype first, as torch's path does
+        (a cache already cast to that dtype by model.to(dtype) rounds the same way)."""
+        if self.cos_cache.dtype != torch.float32:  # model.to(bf16) cast it: a float32 view once
+            self._f32 = getattr(self, "_f32", None) or (
+                self.cos_cache.float(),
+                self.sin_cache.float(),
+            )
+            cos_cache, sin_cache = self._f32
+        else:
+            cos_cache, sin_cache = self.cos_cache, self.sin_cache
+        x2d = x.view(x.shape[0], -1)
+        kernels.cpu_ops().rotary_embedding(
+            x2d, positions, cos_cache, sin_cache, self.head_dim, self.rotary_dim
+        )
+        return x
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -97,10 +97,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.residual_multiplier = config.residual_multiplier
 
-    def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
-        h = self.self_attn(cos_sin, self.input_layernorm(hidden_states), kv_cache, attn_metadata)
-        hidden_states = hidden_states + self._scale(h)
-        return hidden_states + self._scale(self.mlp(self.post_attention_layernorm(hidden_states)))
+    def forward(self, cos_sin, hidden_states, residual, kv_cache, attn_metadata):
+        """The residual stream is carried apart from each block's output, so that every add
+        fuses with the norm after it (RMSNorm's `residual`): (block output, residual) out."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual, normed = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            normed, residual = self.input_layernorm(self._scale(hidden_states), residual)
+        h = self.self_attn(cos_sin, normed, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm(self._scale(h), residual)
+        return self.mlp(normed), residual
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
@@ -131,9 +137,13 @@ class LlamaModel(nn.Module):
         if self.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.embedding_multiplier
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(cos_sin, hidden_states, kv_cache, attn_metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(
+                cos_sin, hidden_states, residual, kv_cache, attn_metadata
+            )
+        hidden_states = layer._scale(hidden_states)
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -304,7 +304,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 }  // namespace
 
+void register_norm_rotary(pybind11::module& m);  // norm_rotary.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_norm_rotary(m);
   m.attr("vec_size") = static_cast<int64_t>(Vec::size());  // head_dim must be a multiple
   m.attr("max_head_dim") = static_cast<int64_t>(kMaxHeadVecs * Vec::size());
   m.def("reshape_and_cache", &reshape_and_cache,
