@@ -401,3 +401,15 @@ def test_on_cuda_matches_the_rules():
     assert (
         run(Sampler(seed=3), logits[7:], [alone]).sampled_token_ids[0] == out.sampled_token_ids[7]
     )
+
+
+def test_argmax_helper_is_torch_argmax_with_ties_and_nan():
+    from pagedllm.sample.sampler import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (64, 1000), generator=g).float()  # many ties: first index wins
+    x[3, 17] = float("nan")  # NaN counts as the maximum
+    x[5] = float("-inf")
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    y = torch.randn(7, 49152, generator=g)
+    assert torch.equal(argmax(y), y.argmax(dim=-1))

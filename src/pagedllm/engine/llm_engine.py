@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -76,6 +78,38 @@ def auto_dtype(device: torch.device, quantization: str = "none") -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def available_cpus() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a
+    container's --cpus), which torch's default thread count does not see."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count or quota, quota)
+    return max(1, count or 1)
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """ceil(quota / period) from cgroup v2's cpu.max or v1's cfs files; None without a quota."""
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    v2 = read(f"{root}/cpu.max")
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+    else:
+        quota = read(f"{root}/cpu/cpu.cfs_quota_us")
+        period = read(f"{root}/cpu/cpu.cfs_period_us")
+    try:
+        return max(1, math.ceil(int(quota) / int(period))) if int(quota) > 0 else None
+    except (TypeError, ValueError):  # "max", missing files
+        return None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,6 +127,12 @@ class LLMEngine:
             else auto_dtype(self.device, args.quantization)
         )
         torch.manual_seed(args.seed)
+        if self.device.type == "cpu" and torch.get_num_threads() > available_cpus():
+            # More compute threads than cores makes OpenMP's barriers wait on descheduled threads.
+            torch.set_num_threads(available_cpus())
+        if self.device.type == "cpu":
+            logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(),
+                        available_cpus())  # fmt: skip
 
         t0 = time.perf_counter()
         loaded = load_model(
