@@ -46,6 +46,13 @@ def test_pack_model_swaps_linears_and_copies_a_tied_head():
         torch.testing.assert_close(model[name](x).float(), want.float(), atol=0.05, rtol=0.02)
 
 
+def test_a_tied_head_can_be_left_unpacked():
+    model = nn.ModuleDict({"embed": nn.Embedding(50, 32), "head": nn.Linear(32, 50)}).bfloat16()
+    model["head"].weight = model["embed"].weight
+    assert pack_linear_weights(model, pack_shared=False) == 0
+    assert isinstance(model["head"], nn.Linear)
+
+
 def test_float32_linears_are_left_alone():
     model = nn.Sequential(nn.Linear(8, 8))
     assert pack_linear_weights(model) == 0

@@ -156,7 +156,8 @@ class LLMEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.weight_bytes = self._quantize(loaded)
         if can_pack(self.dtype, self.device):
-            added = pack_linear_weights(self.model)
+            # Quantized weights are chosen to save memory: no packed copy of a tied lm_head then.
+            added = pack_linear_weights(self.model, pack_shared=self.args.quantization == "none")
             self.weight_bytes += added
             logger.info(
                 "bfloat16 projections prepacked for oneDNN (+%.1f MiB for tied copies)",

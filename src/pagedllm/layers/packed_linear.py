@@ -42,10 +42,11 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, pack_shared: bool = True) -> int:
     """Replace every bfloat16 nn.Linear of `model` (on CPU) by a PackedLinear, in place. A Linear
-    whose weight another module shares (a tied lm_head) gets a packed copy: the embedding keeps
-    the original. Returns the bytes added by such copies."""
+    whose weight another module shares (a tied lm_head) gets a packed copy, the embedding keeping
+    the original, unless `pack_shared` is False (it then stays as it is). Returns the bytes
+    added by such copies."""
     shared = {
         id(p)
         for m in model.modules()
@@ -55,6 +56,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     added = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.weight.dtype != torch.bfloat16:
+            continue
+        if id(module.weight) in shared and not pack_shared:
             continue
         new = PackedLinear(module.weight, module.bias)
         if id(module.weight) in shared:
