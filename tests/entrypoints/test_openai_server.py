@@ -571,3 +571,15 @@ def _check_disconnect_while_queued(server, client):
         m = server.metrics()
         assert m["pagedllm:num_requests_waiting"] == 0  # aborted while still queued
         assert m["pagedllm:num_requests_running"] == 1  # the long request runs on
+
+
+def test_a_taken_port_fails_the_second_server(server):
+    """uvicorn runs off the main thread (the engine loop has it): a bind failure there must still
+    end the process with an error, not a silent exit 0."""
+    result = subprocess.run(
+        [*PAGEDLLM, "serve", "--port", str(server.port), *FLAGS],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "address already in use" in result.stdout + result.stderr
+    assert server.proc.poll() is None  # the first one serves on

@@ -1,6 +1,9 @@
-"""AsyncLLMEngine: the step loop in one background thread, a stream of outputs per request.
+"""AsyncLLMEngine: the step loop on one thread, a stream of outputs per request.
 
-Every engine call happens on that thread: `generate` and `abort` only post commands, which the
+The loop runs on a background thread, or (`start_thread=False`) on whichever thread calls
+`run_loop()`: `pagedllm serve` gives it the main thread and serves HTTP from another, because
+oneDNN's bf16 matmuls run about 1.7x slower off the main thread (docs/performance.md).
+Every engine call happens on the loop's thread: `generate` and `abort` only post commands, which the
 loop applies between two steps. So an abort never lands between scheduling a step and running it
 (the blocks a scheduled step registers in the prefix cache are always written), and the engine
 needs no locks. Outputs reach each request's asyncio queue through its event loop. If a step
@@ -44,19 +47,29 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self.dead_error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self._loop_done = threading.Event()
+        self._thread = None
+        if start_thread:
+            self._thread = threading.Thread(
+                target=self.run_loop, name="pagedllm-engine", daemon=True
+            )
+            self._thread.start()
 
     # -- the API (any thread, any event loop) --------------------------------------------------
     @property
+    def has_loop_thread(self) -> bool:
+        """False when the owner must call run_loop() (start_thread=False)."""
+        return self._thread is not None
+
+    @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.dead_error is None
+        return not self._loop_done.is_set() and self.dead_error is None
 
     def check_health(self) -> None:
         if not self.is_running:
@@ -80,7 +93,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         # The loop may have died (or been stopped) between the check above and registering the
         # stream, after telling the streams it knew of: nobody would answer this one.
-        if self.dead_error is not None or self._stopping or not self._thread.is_alive():
+        if self.dead_error is not None or self._stopping or self._loop_done.is_set():
             self._streams.pop(request_id, None)
             self.check_health()
             raise EngineDeadError("the server is shutting down")
@@ -108,9 +121,17 @@ class AsyncLLMEngine:
         """Abort whatever is in flight and stop the loop."""
         self._stopping = True
         self._commands.put(("stop",))
-        self._thread.join(timeout)
+        self._loop_done.wait(timeout)
 
     # -- the loop (its own thread) -------------------------------------------------------------
+    def run_loop(self) -> None:
+        """Step the engine until shutdown() or a failure (the background thread's target, or
+        called by the owner with start_thread=False)."""
+        try:
+            self._run()
+        finally:
+            self._loop_done.set()
+
     def _run(self) -> None:
         engine = self.engine
         try:

@@ -181,7 +181,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = LLMEngine(engine_args_from(ns))
     name = ns.served_model_name or ns.model or engine.model_name
     run_server(
-        AsyncLLMEngine(engine),
+        AsyncLLMEngine(engine, start_thread=False),  # run_server runs the loop on this thread
         name,
         host=ns.host,
         port=ns.port,

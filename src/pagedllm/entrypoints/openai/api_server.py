@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import signal
+import threading
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -303,6 +304,16 @@ def run_server(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace + 5
     )
     server = _Server(config, async_engine, grace)
+    logger.info("serving %s at http://%s:%d/v1", served_model_name, host, port)
+    if not async_engine.has_loop_thread:
+        _serve_with_the_loop_here(server, async_engine)
+    else:
+        _serve_here(server, async_engine)
+    logger.info("server stopped")
+
+
+def _serve_here(server: _Server, async_engine: AsyncLLMEngine) -> None:
+    """uvicorn on this thread, the engine loop on its own."""
 
     def _exit(signum, frame):
         raise SystemExit(0)
@@ -310,11 +321,43 @@ def run_server(
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal with the
     # previous handler: this one, so that SIGTERM ends the process with status 0, like Ctrl-C.
     signal.signal(signal.SIGTERM, _exit)
-    logger.info("serving %s at http://%s:%d/v1", served_model_name, host, port)
     try:
         server.run()
     except KeyboardInterrupt:
         pass
     finally:
         async_engine.shutdown()
-        logger.info("server stopped")
+
+
+def _serve_with_the_loop_here(server: _Server, async_engine: AsyncLLMEngine) -> None:
+    """The engine loop on this (the main) thread, uvicorn on another (it installs no signal
+    handlers off the main thread: these do what its own would). SIGINT or SIGTERM: a graceful
+    shutdown (running requests get the grace period, then the loop stops); a second: at once."""
+
+    def _signal(signum, frame):
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _signal)
+
+    failed: list[BaseException] = []  # e.g. SystemExit(1) from uvicorn when the port is taken
+
+    def serve() -> None:
+        try:
+            server.run()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            failed.append(e)
+        finally:
+            async_engine.shutdown(timeout=0)  # the loop, if still running, stops
+
+    http = threading.Thread(target=serve, name="pagedllm-http")
+    http.start()
+    async_engine.run_loop()
+    # The loop stopped: by shutdown (uvicorn is ending) or by a failure (uvicorn goes on
+    # answering /health and errors until it is told to stop).
+    while http.is_alive():
+        http.join(0.5)
+    if failed:
+        raise failed[0]
