@@ -12,7 +12,7 @@ import pytest
 
 from pagedllm.benchmarks import peers
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import cpu_has_native_bf16
+from pagedllm.cpu_info import has_native_bf16
 from pagedllm.entrypoints.cli import main
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
 
@@ -156,7 +156,7 @@ def test_smoke_pagedllm_and_hf(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "peers.json"
     assert _run(tiny_gguf, out, "--peers", "pagedllm,hf") == 0
     printed = capsys.readouterr().out
-    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"  # what --dtype auto picks here
+    dtype = "bfloat16" if has_native_bf16() else "float32"  # what --dtype auto picks here
     assert "pagedllm / HF static" in printed and f"pagedllm ran: {dtype}" in printed
     results = _check_report(out, ["pagedllm", "hf"])
     assert set(results["pagedllm_over_peer"]["hf"]) == {"1", "2", "decode"}

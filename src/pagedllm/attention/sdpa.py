@@ -125,28 +125,21 @@ def prefill_sdpa(
         num_cached = seq_len - q_len
         q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, d]
         if num_cached == 0 and key is not None:  # a fresh prompt: its K/V are this step's
+            ctx_start = 0
             k = key[start:end].transpose(0, 1)[None]
             v = value[start:end].transpose(0, 1)[None]
-            mask = None
+        else:
+            # Whole blocks from the first one the first query can see (all of them without a
+            # window) are gathered, then cut to the context: [1, kv_heads, ctx_len, d].
+            first_block = 0
             if sliding_window is not None:
-                pos = torch.arange(q_len, device=query.device)
-                mask = (pos[None, :] <= pos[:, None]) & (
-                    pos[None, :] > pos[:, None] - sliding_window
-                )
-            o = _attend(q, k, v, mask, scale, logits_soft_cap, is_causal=mask is None)
-            out[start:end] = o[0].transpose(0, 1)
-            continue
-        # Whole blocks from the first one the first query can see (all of them without a
-        # window) are gathered, then cut to the context: [1, kv_heads, ctx_len, d].
-        first_block = 0
-        if sliding_window is not None:
-            first_block = max(0, num_cached - sliding_window + 1) // bs
-        ctx_start = first_block * bs
-        block_ids = meta.block_tables[i, first_block : -(-seq_len // bs)].long()
-        k = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
-        k = k[: seq_len - ctx_start].transpose(0, 1)[None]
-        v = v[: seq_len - ctx_start].transpose(0, 1)[None]
+                first_block = max(0, num_cached - sliding_window + 1) // bs
+            ctx_start = first_block * bs
+            block_ids = meta.block_tables[i, first_block : -(-seq_len // bs)].long()
+            k = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+            v = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+            k = k[: seq_len - ctx_start].transpose(0, 1)[None]
+            v = v[: seq_len - ctx_start].transpose(0, 1)[None]
         if num_cached == 0 and sliding_window is None:
             o = _attend(q, k, v, None, scale, logits_soft_cap, is_causal=True)
         else:

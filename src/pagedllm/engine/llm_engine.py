@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +14,7 @@ from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.cpu_info import available_cpus, has_native_bf16
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
 from pagedllm.layers.quantization import Int4Weight, quantize_model, weight_bytes
@@ -56,16 +55,6 @@ class _RequestState:
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX-BF16 (read from /proc/cpuinfo; False where it is not readable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def auto_dtype(device: torch.device, quantization: str = "none") -> torch.dtype:
     """What --dtype auto means: bfloat16 on CUDA and on CPUs with bf16 instructions (on this
     project's AVX-512 machine, 1.8x float32's decode throughput at 64 running and 2.6x its
@@ -75,39 +64,7 @@ def auto_dtype(device: torch.device, quantization: str = "none") -> torch.dtype:
     whose bfloat16 matmuls are emulated and slower than float32's."""
     if device.type != "cpu" or quantization != "none":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def available_cpus() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a
-    container's --cpus), which torch's default thread count does not see."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        count = min(count or quota, quota)
-    return max(1, count or 1)
-
-
-def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
-    """ceil(quota / period) from cgroup v2's cpu.max or v1's cfs files; None without a quota."""
-
-    def read(path: str) -> str | None:
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            return None
-
-    v2 = read(f"{root}/cpu.max")
-    if v2 is not None:
-        quota, _, period = v2.partition(" ")
-    else:
-        quota = read(f"{root}/cpu/cpu.cfs_quota_us")
-        period = read(f"{root}/cpu/cpu.cfs_period_us")
-    try:
-        return max(1, math.ceil(int(quota) / int(period))) if int(quota) > 0 else None
-    except (TypeError, ValueError):  # "max", missing files
-        return None
+    return torch.bfloat16 if has_native_bf16() else torch.float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,12 +84,12 @@ class LLMEngine:
             else auto_dtype(self.device, args.quantization)
         )
         torch.manual_seed(args.seed)
-        if self.device.type == "cpu" and torch.get_num_threads() > available_cpus():
-            # More compute threads than cores makes OpenMP's barriers wait on descheduled threads.
-            torch.set_num_threads(available_cpus())
         if self.device.type == "cpu":
-            logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(),
-                        available_cpus())  # fmt: skip
+            cores = available_cpus()
+            if torch.get_num_threads() > cores:
+                # More compute threads than cores: OpenMP's barriers wait on descheduled threads.
+                torch.set_num_threads(cores)
+            logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(), cores)
 
         t0 = time.perf_counter()
         loaded = load_model(

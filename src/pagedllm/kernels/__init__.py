@@ -13,12 +13,13 @@ import hashlib
 import importlib.util
 import logging
 import os
-import platform
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pagedllm.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +28,9 @@ SOURCES = [
 ]
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _capability_flags() -> list[str]:
     """ATen's at::vec width for this CPU (its CPU_CAPABILITY macros), like ATen's own builds."""
-    flags = set(_cpu_flags().split())
+    flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if {"avx2", "fma"} <= flags:
@@ -56,10 +47,12 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_key() -> str:
+    """Changes with the sources, torch, Python, the CPU's flags (-march=native) and CFLAGS."""
     h = hashlib.sha256()
-    for part in (*[p.read_bytes() for p in SOURCES], torch.__version__, sys.version, _cpu_flags()):
-        h.update(part if isinstance(part, bytes) else part.encode())
-    h.update(" ".join(CFLAGS).encode())
+    for p in SOURCES:
+        h.update(p.read_bytes())
+    for part in (torch.__version__, sys.version, " ".join(sorted(cpu_flags())), *CFLAGS):
+        h.update(part.encode())
     return h.hexdigest()[:16]
 
 

@@ -90,6 +90,8 @@ class RotaryEmbedding(nn.Module):
         # model.to(dtype) is harmless: HF casts cos/sin to the activations' dtype as well.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # The fused CPU kernel's float32 tables: plain attributes, which model.to(dtype) keeps.
+        self.cos_f32, self.sin_f32 = self.cos_cache, self.sin_cache
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -113,19 +115,11 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate_fused(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """In place, in one C++ call; cos/sin rounded to x's dtype first, as torch's path does
-        (a cache already cast to that dtype by model.to(dtype) rounds the same way)."""
-        if self.cos_cache.dtype != torch.float32:  # model.to(bf16) cast it: a float32 view once
-            self._f32 = getattr(self, "_f32", None) or (
-                self.cos_cache.float(),
-                self.sin_cache.float(),
-            )
-            cos_cache, sin_cache = self._f32
-        else:
-            cos_cache, sin_cache = self.cos_cache, self.sin_cache
+        """In place, in one C++ call, which rounds cos/sin to x's dtype first as torch's path
+        does (the buffers cast by model.to(dtype) hold those very values)."""
         x2d = x.view(x.shape[0], -1)
         kernels.cpu_ops().rotary_embedding(
-            x2d, positions, cos_cache, sin_cache, self.head_dim, self.rotary_dim
+            x2d, positions, self.cos_f32, self.sin_f32, self.head_dim, self.rotary_dim
         )
         return x
 

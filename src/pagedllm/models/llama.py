@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(
                 cos_sin, hidden_states, residual, kv_cache, attn_metadata
             )
-        hidden_states = layer._scale(hidden_states)
+        hidden_states = self.layers[-1]._scale(hidden_states)
         return self.norm(hidden_states, residual)[0]
 
 

@@ -33,10 +33,10 @@ class Sampler(torch.nn.Module):
         return self._generators[device]
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        md = metadata
-        if md.all_greedy and md.max_num_logprobs is None and not _has_processors(md):
-            return SamplerOutput(argmax(logits.float()), None, None, None)  # nothing to modify
-        logits = logits.to(torch.float32, copy=True)  # processed in place; the caller's stay
+        # Processors and temperature work in place: a copy, so the caller's logits stay, unless
+        # nothing will modify them (greedy rows only, no processors).
+        in_place = not metadata.all_greedy or _has_processors(metadata)
+        logits = logits.to(torch.float32, copy=in_place)
         # vLLM's default: logprobs of the raw model distribution, before any processing.
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None

@@ -1,0 +1,87 @@
+"""The isolated timings of docs/performance.md, each case against its alternative in one run:
+
+- attention: the C++ kernel (`cpu` backend, all rows through the kernel) vs the SDPA backend,
+  one thread, 9 query heads / 3 KV heads / head_dim 64, blocks of 16 (--attention);
+- linear: F.linear's GFLOP/s at a decode shape in float32 and bfloat16; plain F.linear vs a
+  oneDNN-prepacked PackedLinear, at 1 and 64 rows, on the main thread and on another (--linear).
+
+    python benchmarks/cpu_microbench.py [--attention] [--linear]
+"""
+
+import functools
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for build_batch
+
+from pagedllm.attention import paged_attention_sdpa, write_kv_cache  # noqa: E402
+from pagedllm.attention.cpu import paged_attention_cpu  # noqa: E402
+from pagedllm.layers.packed_linear import PackedLinear  # noqa: E402
+
+
+def per_call_us(fn, n: int = 20, clock=time.perf_counter) -> float:
+    for _ in range(3):
+        fn()
+    t = clock()
+    for _ in range(n):
+        fn()
+    return (clock() - t) / n * 1e6
+
+
+def attention() -> None:
+    from tests.attention.test_paged_attention import build_batch
+
+    torch.set_num_threads(1)
+    kernel = functools.partial(paged_attention_cpu, min_sdpa_query_len=0)
+    cases = {
+        "decode, 64 requests x 500 tokens": [(500 + i, 1) for i in range(64)],
+        "4 requests x 4 new rows after 256 cached": [(256, 4)] * 4,
+        "4 requests x 16 new rows after 256 cached": [(256, 16)] * 4,
+        "one 512-token prompt": [(0, 512)],
+    }
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, reqs in cases.items():
+            b = build_batch(reqs, 16, 9, 3, 64, dtype=dtype, seed=0)
+            meta = b["meta"]
+            write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+            args = (b["query"], b["k_cache"], b["v_cache"], meta, 0.125)
+            sdpa_call = functools.partial(paged_attention_sdpa, *args)
+            sdpa = per_call_us(sdpa_call, clock=time.thread_time)
+            cpu = per_call_us(functools.partial(kernel, *args), clock=time.thread_time)
+            print(f"attention {dtype} {name}: sdpa {sdpa / 1e3:.2f} ms, "
+                  f"kernel {cpu / 1e3:.2f} ms")  # fmt: skip
+
+
+def linear() -> None:
+    w = torch.randn(3072, 576).bfloat16()
+    packed = PackedLinear(w, None)
+    xs = {rows: torch.randn(rows, 576).bfloat16() for rows in (1, 64)}
+
+    def run(where: str) -> None:
+        for rows, x in xs.items():
+            plain = per_call_us(functools.partial(F.linear, x, w), 200)
+            pk = per_call_us(functools.partial(packed, x), 200)
+            print(f"linear 576->3072 bf16, {rows} rows, {where}: F.linear {plain:.0f} us, "
+                  f"prepacked {pk:.0f} us")  # fmt: skip
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, wd = torch.randn(64, 576, dtype=dtype), torch.randn(3072, 576, dtype=dtype)
+        us = per_call_us(functools.partial(F.linear, x, wd), 200)
+        print(f"F.linear 64 rows 576->3072 {dtype}: {2 * 64 * 576 * 3072 / us / 1e3:.0f} GFLOP/s")
+    run("main thread")
+    other = threading.Thread(target=run, args=("another thread",))
+    other.start()
+    other.join()
+
+
+if __name__ == "__main__":
+    chosen = set(sys.argv[1:]) or {"--attention", "--linear"}
+    if "--linear" in chosen:
+        linear()
+    if "--attention" in chosen:
+        attention()
