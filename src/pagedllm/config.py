@@ -101,7 +101,7 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (swap mode)
     attention_backend: str = "auto"
     disable_log_stats: bool = True
-    # none | int8 | int4: weight-only quantized projections on torch's CPU kernels
+    # none | int8 | int4: weight-only quantized projections (CPU; kernels/csrc/quant_linear.cpp)
     quantization: str = "none"
     # Load a HF directory's pickle weights (pytorch_model.bin, *.pt) when it has no safetensors,
     # with torch.load(weights_only=True); refused by default, as a pickle can carry code.

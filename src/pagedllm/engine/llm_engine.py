@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention.selector import resolve_backend_name
 from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
@@ -17,7 +18,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.cpu_info import available_cpus, has_native_bf16
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
-from pagedllm.layers.quantization import Int4Weight, quantize_model, weight_bytes
+from pagedllm.layers.quantization import quantize_model, weight_bytes
 from pagedllm.model_loader import load_model
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -95,7 +96,7 @@ class LLMEngine:
         loaded = load_model(
             args.model,
             args.tokenizer,
-            keep_int4=args.quantization == "int4",
+            keep_codes=args.quantization != "none",
             allow_pickle=args.allow_pickle_checkpoints,
         )
         self.model_name = loaded.name
@@ -201,15 +202,20 @@ class LLMEngine:
             return float_bytes
         if self.device.type != "cpu":
             raise ValueError(
-                f"--quantization {method} uses torch's CPU kernels: run with --device cpu"
+                f"--quantization {method} runs on pagedllm's CPU kernels: run with --device cpu"
             )
-        exact = {}
-        if method == "int4" and loaded.int4_weights:
-            exact = {
-                module: Int4Weight.cat(parts)
-                for module, parts in self.model.group_by_module(loaded.int4_weights).items()
-            }
-            loaded.int4_weights.clear()
+        if not kernels.available():
+            logger.warning(
+                "--quantization %s without pagedllm's C++ kernels: every layer expands its "
+                "weight on each call (correct, but slower than the float model)",
+                method,
+            )
+        exact = {  # the checkpoint's own codes, fused like the model's projections
+            module: type(parts[0]).cat(parts)
+            for module, parts in self.model.group_by_module(loaded.quant_codes).items()
+            if len({type(p) for p in parts}) == 1
+        }
+        loaded.quant_codes.clear()
         kept = quantize_model(self.model, method, exact)
         quant_bytes = weight_bytes(self.model)
         logger.info(
@@ -218,13 +224,7 @@ class LLMEngine:
             ", ".join(kept) or "nothing",
         )  # fmt: skip
         if exact:
-            logger.info("int4: %d projections taken from the GGUF's 4-bit blocks", len(exact))
-        if self.dtype == torch.float32:
-            logger.warning(
-                "%s with float32 activations runs torch's slow reference kernel: "
-                "--dtype bfloat16 (or auto) is much faster",
-                method,
-            )
+            logger.info("%d weights taken from the GGUF's blocks as they are", len(exact))
         return quant_bytes
 
     def _resolve_max_model_len(self) -> int:

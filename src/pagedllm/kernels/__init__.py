@@ -24,7 +24,8 @@ from pagedllm.cpu_info import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "norm_rotary.cpp", "quant_linear.cpp")
 ]
 
 

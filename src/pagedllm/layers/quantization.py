@@ -1,19 +1,18 @@
-"""Weight-only quantized linear layers on torch's own CPU kernels, and swapping them into a model.
+"""Weight-only quantized linear layers for CPU, and swapping them into a model.
 
-The weights stay quantized in memory; activations stay in the model's float dtype.
+The weights stay quantized in memory, in blocks of 32 input channels as ggml stores them (so a
+GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 blocks are used as they are); activations stay in the model's
+float dtype.
 
-int8 (`Int8Linear`): one symmetric scale per output channel, w = q * scale, q in [-127, 127];
-  `aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scale [N])`.
-int4 (`Int4Linear`): groups of `group_size` input channels, each with a scale and a zero,
-  w = (q - 8) * scale + zero, q in [0, 15] (torch's convention; the kernel computes it with one
-  fused multiply-add); `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)` packs
-  q into uint8 [N, K / 2] (a blocked layout: rows cannot be packed separately and concatenated)
-  and `aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group_size, scale_zero [K / g, N, 2])`.
+int4 (`Int4Linear`): w = q * scale + min, q in 0..15, one float16 scale and min per group of
+  `group_size` input channels (a multiple of 32; 32 for GGUF blocks).
+int8 (`Int8Linear`): w = q * scale, q in -127..127, one float16 scale per group (ggml's Q8_0).
 
-What the kernels accept (torch 2.13, checked numerically in tests/layers/test_quantization.py):
-  x must be 2-D with a contiguous last dimension; scales (and zeros) must have x's dtype (float32,
-  bfloat16 or float16); int4 needs N % 16 == 0, group_size in {32, 64, 128, 256} and
-  K % group_size == 0. A layer that cannot meet this stays in float (see `quantize_model`).
+pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply a few rows of activations by
+the codes directly (decode: bound by reading the weights); for more rows (prefill, big batches)
+the layer expands its weight to the activations' dtype and runs a float GEMM, which is
+compute-bound there. Without the kernels, the weight is expanded by torch on every call (slow,
+but the same numbers).
 """
 
 from __future__ import annotations
@@ -22,145 +21,228 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import kernels
 from pagedllm.config import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement on output channels
+BLOCK = 32  # ggml's block of input channels; a group is one or more blocks
+# Up to this many rows the kernels multiply the codes directly; above, expand and run a GEMM.
+# Measured on this project's 2-core AVX-512 machine (docs/performance.md).
+MAX_GEMV_ROWS = 16
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}  # see _BlockQuantLinear.weight_as
 
 
-def _matmul_2d(x: torch.Tensor, fn) -> torch.Tensor:
-    """Both kernels take a 2-D input: flatten leading dimensions and restore them."""
-    lead = x.shape[:-1]
-    y = fn(x.reshape(-1, x.shape[-1]).contiguous())
-    return y.reshape(*lead, y.shape[-1])
-
-
-class Int8Linear(nn.Module):
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight)  # int8 [N, K]; not cast by module.to(dtype)
-        self.register_buffer("scales", scales)  # float [N]; follows module.to(dtype)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per-output-channel quantization: scale = max|w| / 127 (float32 math).
-        A GGUF Q8_0 weight arrives here dequantized: its per-32 block scales do not map onto one
-        scale per output channel, so it is requantized (not bit-exact, unlike int4 from Q4)."""
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1) / 127
-        q = torch.round(w / scales.clamp(min=1e-12)[:, None]).clamp(-127, 127).to(torch.int8)
-        dtype = weight.dtype
-        return cls(q, scales.to(dtype), None if bias is None else bias.detach().to(dtype))
-
-    def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
-        y = _matmul_2d(x, lambda a: torch.ops.aten._weight_int8pack_mm(a, self.qweight, scales))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+def _groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> float32 [N, K / group_size, group_size]."""
+    n, k = weight.shape
+    if group_size % BLOCK or k % group_size:
+        raise ValueError(
+            f"quantized weights need in_features % {BLOCK} == 0 and groups of whole blocks of "
+            f"{BLOCK}: in_features {k}, group size {group_size}"
+        )
+    return weight.detach().float().reshape(n, k // group_size, group_size)
 
 
 @dataclass
 class Int4Weight:
-    """Group-wise 4-bit codes before packing: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]
-    with g = k // group_size. Rows can be concatenated (fused projections) and permuted."""
+    """Group-wise 4-bit codes, unpacked: w[n, k] = q[n, k] * scale[n, g] + min[n, g] with
+    g = k // group_size. Rows can be concatenated (fused projections) and permuted."""
 
     q: torch.Tensor  # uint8 [N, K], values 0..15
     scale: torch.Tensor  # float32 [N, K / group_size]
-    zero: torch.Tensor  # float32 [N, K / group_size]
-    group_size: int
+    min: torch.Tensor  # float32 [N, K / group_size]
+    group_size: int = BLOCK
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int) -> Int4Weight:
+    def from_float(cls, weight: torch.Tensor, group_size: int = BLOCK) -> Int4Weight:
         """Asymmetric min/max quantization per group: scale = (max - min) / 15,
-        q = round((w - min) / scale), zero = min + 8 * scale."""
+        q = round((w - min) / scale)."""
         n, k = weight.shape
-        w = weight.detach().float().reshape(n, k // group_size, group_size)
+        w = _groups(weight, group_size)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         scale = (hi - lo) / 15
         inv = torch.where(scale == 0, 0.0, 1 / scale)  # a constant group: every q = 0, w = lo
         q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
-        return cls(q.reshape(n, k), scale, lo + 8 * scale, group_size)
+        return cls(q.reshape(n, k), scale, lo, group_size)
 
     @classmethod
     def cat(cls, parts: list[Int4Weight]) -> Int4Weight:
         if len({p.group_size for p in parts}) != 1:
             raise ValueError("cannot fuse int4 weights of different group sizes")
-        return cls(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.zero for p in parts]),
-            parts[0].group_size,
-        )
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")),
+                   parts[0].group_size)  # fmt: skip
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], rounded as the kernel does (one fused multiply-add)."""
+        """float32 [N, K]: q * scale + min (q * scale is exact for float16 scales)."""
         g = self.group_size
-        scale = self.scale.repeat_interleave(g, dim=1)
-        zero = self.zero.repeat_interleave(g, dim=1)
-        return torch.addcmul(zero, self.q.float() - 8, scale)
+        scale, mn = self.scale.repeat_interleave(g, dim=1), self.min.repeat_interleave(g, dim=1)
+        return torch.addcmul(mn, self.q.float(), scale)
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = weight.q.shape
-        self.group_size = weight.group_size
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
-        self.register_buffer("packed", packed)  # uint8 [N, K / 2]
-        # [K / g, N, 2]: the kernel's layout; float, so module.to(dtype) casts it.
-        scale_zero = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype)
-        self.register_buffer("scale_zero", scale_zero.contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+@dataclass
+class Int8Weight:
+    """Group-wise symmetric 8-bit codes: w[n, k] = q[n, k] * scale[n, k // group_size]."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K / group_size]
+    group_size: int = BLOCK
 
     @classmethod
-    def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
-    ) -> Int4Linear:
-        bias = None if bias is None else bias.detach()
-        return cls(Int4Weight.from_float(weight, group_size), bias, weight.dtype)
+    def from_float(cls, weight: torch.Tensor, group_size: int = BLOCK) -> Int8Weight:
+        """scale = max |w| / 127 per group, q = round(w / scale) (ggml's Q8_0)."""
+        n, k = weight.shape
+        w = _groups(weight, group_size)
+        scale = w.abs().amax(dim=-1) / 127
+        inv = torch.where(scale == 0, 0.0, 1 / scale)
+        q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(n, k), scale, group_size)
+
+    @classmethod
+    def cat(cls, parts: list[Int8Weight]) -> Int8Weight:
+        if len({p.group_size for p in parts}) != 1:
+            raise ValueError("cannot fuse int8 weights of different group sizes")
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                   parts[0].group_size)  # fmt: skip
 
     def dequantize(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, as float32 [N, K] (x = identity: exact sums)."""
-        eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
-        return self._mm(eye, self.scale_zero).t().float()
+        return self.q.float() * self.scale.repeat_interleave(self.group_size, dim=1)
 
-    def _mm(self, x: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, self.group_size, scale_zero
-        )
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] -> [N, K / 2] in ggml's order: byte i of each 32-code block holds code
+    i (low nibble) and code i + 16 (high nibble)."""
+    n, k = q.shape
+    blocks = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // (BLOCK // 2), 1, BLOCK // 2)
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, 2 * half)
+
+
+class _BlockQuantLinear(nn.Module):
+    """The forward pass shared by the int4 and int8 layers. The codes and the float16 scales are
+    plain attributes, not buffers: module.to(dtype) must not cast them (counted by `nbytes`)."""
+
+    bits: int
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"quantized weights need in_features % {BLOCK} == 0: {in_features}")
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._codes())
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sz = self.scale_zero if self.scale_zero.dtype == x.dtype else self.scale_zero.to(x.dtype)
-        y = _matmul_2d(x, lambda a: self._mm(a, sz))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x):
+            y = self._gemv(x2d.contiguous())
+        else:
+            y = F.linear(x2d, self.weight_as(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [N, K] in `dtype`. With the kernels it is expanded into a scratch
+        buffer shared by all layers (valid until the next layer's call): a fresh tensor of
+        megabytes per call costs its page faults again each time."""
+        if not kernels.available():
+            return self.dequantize().to(dtype)
+        size = self.out_features * self.in_features
+        scratch = _SCRATCH.get(dtype)
+        if scratch is None or scratch.numel() < size:
+            scratch = _SCRATCH[dtype] = torch.empty(size, dtype=dtype)
+        out = scratch[:size].view(self.out_features, self.in_features)
+        self._expand(out)
+        return out
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int4, group_size={self.group_size}"
+            f"int{self.bits}, group_size={self.group_size}"
         )
 
 
-def int4_group_size(out_features: int, in_features: int, preferred: int = 32) -> int | None:
-    """The group size an [N, K] weight can use (the preferred one or a larger one dividing K),
-    or None when the int4 kernel cannot take it at all."""
-    if out_features % INT4_N_MULTIPLE:
-        return None
-    for g in INT4_GROUP_SIZES:
-        if g >= preferred and in_features % g == 0:
-            return g
-    return None
+class Int4Linear(_BlockQuantLinear):
+    bits = 4
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(*weight.q.shape, bias, dtype)
+        if weight.group_size % BLOCK:
+            raise ValueError(f"int4 group size must be a multiple of {BLOCK}")
+        self.packed = pack_int4(weight.q)  # uint8 [N, K / 2]
+        self.scales = weight.scale.to(torch.float16).contiguous()
+        self.mins = weight.min.to(torch.float16).contiguous()
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        bias = None if bias is None else bias.detach()
+        return cls(Int4Weight.from_float(weight), bias, weight.dtype)
+
+    def _codes(self):
+        return self.packed, self.scales, self.mins
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.cpu_ops().int4_linear(x, self.packed, self.scales, self.mins)
+
+    def _expand(self, out: torch.Tensor) -> None:
+        kernels.cpu_ops().int4_dequantize(out, self.packed, self.scales, self.mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], rounded as the kernel does (one fused multiply-add)."""
+        g = self.group_size
+        return torch.addcmul(
+            self.mins.float().repeat_interleave(g, dim=1),
+            unpack_int4(self.packed).float(),
+            self.scales.float().repeat_interleave(g, dim=1),
+        )
+
+
+class Int8Linear(_BlockQuantLinear):
+    bits = 8
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(*weight.q.shape, bias, dtype)
+        if weight.group_size % BLOCK:
+            raise ValueError(f"int8 group size must be a multiple of {BLOCK}")
+        self.qweight = weight.q.contiguous()  # int8 [N, K]
+        self.scales = weight.scale.to(torch.float16).contiguous()
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        bias = None if bias is None else bias.detach()
+        return cls(Int8Weight.from_float(weight), bias, weight.dtype)
+
+    def _codes(self):
+        return self.qweight, self.scales
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.cpu_ops().int8_linear(x, self.qweight, self.scales)
+
+    def _expand(self, out: torch.Tensor) -> None:
+        kernels.cpu_ops().int8_dequantize(out, self.qweight, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float().repeat_interleave(self.group_size, dim=1)
+
+
+QuantWeight = Int4Weight | Int8Weight
+LAYERS = {"int4": (Int4Weight, Int4Linear), "int8": (Int8Weight, Int8Linear)}
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -185,52 +267,49 @@ def validate_method(method: str) -> None:
 def quantize_model(
     model: nn.Module,
     method: str,
-    int4_weights: dict[str, Int4Weight] | None = None,
+    exact_weights: dict[str, QuantWeight] | None = None,
     skip: tuple[str, ...] = (),
 ) -> list[str]:
     """Replace every nn.Linear of a loaded float model by its `method` counterpart, in place.
 
-    `int4_weights` (module name -> codes) gives exact int4 weights for modules the checkpoint
-    already stores as 4-bit groups (GGUF Q4_0 / Q4_1 / Q4_K): used as they are instead of being
-    quantized again from the dequantized floats. Modules named in `skip`, and a Linear whose
-    weight is shared with another module (a tied lm_head: quantizing it would add a copy next to
-    the float embedding rather than save memory), stay float. Returns the names kept in float.
+    `exact_weights` (module name -> codes) gives the codes of modules the checkpoint already
+    stores in blocks of `method`'s kind (a GGUF's Q4_0 / Q4_1 / Q4_K for int4, Q8_0 for int8):
+    used as they are instead of quantizing the dequantized floats again. A tied lm_head (its
+    weight is the embedding's) gets an int8 copy whatever the method (int4 would cost the most
+    accuracy on the logits): decode reads it every step, and 8-bit reads half of bfloat16's
+    bytes; the float embedding stays for the lookups. Modules named in `skip`, and a Linear
+    whose input size is not a multiple of 32, stay float. Returns the names kept in float.
     The replaced float weights are dropped with the old modules.
     """
     validate_method(method)
     if method == "none":
         return []
-    int4_weights = int4_weights or {}
-    shared = {
-        id(p)
-        for m in model.modules()
-        if not isinstance(m, nn.Linear)
-        for p in m.parameters(recurse=False)
-    }
+    exact_weights = exact_weights or {}
     kept_float = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        if name in skip or id(module.weight) in shared:
+        n, k = module.weight.shape
+        if name in skip or k % BLOCK:
             kept_float.append(name)
             continue
         if module.weight.device.type != "cpu":
-            raise ValueError("quantized weights run on torch's CPU kernels: use --device cpu")
+            raise ValueError("quantized weights run on pagedllm's CPU kernels: use --device cpu")
+        owner = _owner_of(model, module.weight)  # a tied lm_head: the embedding
+        weight_cls, layer_cls = LAYERS["int8" if owner else method]
+        codes = exact_weights.get(owner or name)
+        if not isinstance(codes, weight_cls):
+            codes = weight_cls.from_float(module.weight)
         bias = None if module.bias is None else module.bias.detach()
-        if method == "int8":
-            new = Int8Linear.from_float(module.weight, bias)
-        else:
-            n, k = module.weight.shape
-            exact = int4_weights.get(name)
-            group = exact.group_size if exact is not None else int4_group_size(n, k)
-            if group is None or n % INT4_N_MULTIPLE:
-                logger.warning(
-                    "int4: %s [%d, %d] does not fit the kernel; kept in float", name, n, k
-                )
-                kept_float.append(name)
-                continue
-            codes = exact if exact is not None else Int4Weight.from_float(module.weight, group)
-            new = Int4Linear(codes, bias, module.weight.dtype)
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
+        layer = layer_cls(codes, bias, module.weight.dtype)
+        setattr(model.get_submodule(parent_name), child, layer)
     return kept_float
+
+
+def _owner_of(model: nn.Module, weight: torch.Tensor) -> str | None:
+    """The name of the non-Linear module holding `weight` (a tied embedding), or None."""
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) and any(p is weight for p in m.parameters(recurse=False)):
+            return name
+    return None

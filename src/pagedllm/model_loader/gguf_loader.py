@@ -28,7 +28,7 @@ import torch
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
-from pagedllm.model_loader.gguf_int4 import INT4_TYPES, int4_weight_from_gguf
+from pagedllm.model_loader.gguf_codes import CODE_TYPES, codes_from_gguf
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pagedllm.model_loader.loaded_model import LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
@@ -320,18 +320,18 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
     return tokenizer_from_gguf_metadata(tok_meta)
 
 
-def load_gguf(path: str | os.PathLike, keep_int4: bool = False) -> LoadedModel:
+def load_gguf(path: str | os.PathLike, keep_codes: bool = False) -> LoadedModel:
     """Read a GGUF file: config, float32 weights with HF names, and its tokenizer.
 
-    keep_int4: also keep the 4-bit tensors (Q4_0 / Q4_1 / Q4_K) as int4 codes, for
-    `--quantization int4` to use exactly as stored (they are dequantized all the same, as the
-    float model is loaded first)."""
+    keep_codes: also keep the Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as int4 / int8 codes, for
+    `--quantization` to use exactly as stored (they are dequantized all the same, as the float
+    model is loaded first)."""
     reader = open_gguf(path)
     with _naming(path):
-        return _load_gguf(path, reader, keep_int4)
+        return _load_gguf(path, reader, keep_codes)
 
 
-def _load_gguf(path, reader: gguf.GGUFReader, keep_int4: bool) -> LoadedModel:
+def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool) -> LoadedModel:
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
@@ -341,7 +341,7 @@ def _load_gguf(path, reader: gguf.GGUFReader, keep_int4: bool) -> LoadedModel:
         heads = {}  # NEOX-RoPE archs: q/k rows are stored in HF's order
 
     weights: dict[str, torch.Tensor] = {}
-    int4_weights = {}
+    quant_codes = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
@@ -365,11 +365,11 @@ def _load_gguf(path, reader: gguf.GGUFReader, keep_int4: bool) -> LoadedModel:
                     f"split into {heads[proj]} heads of (pairs of) rotary dimensions"
                 )
             array = unpermute_from_gguf(array, heads[proj])
-        if keep_int4 and t.tensor_type in INT4_TYPES:
+        if keep_codes and t.tensor_type in CODE_TYPES:
             raw = t.data.view(np.ndarray)
             if proj in heads:  # a row permutation: it moves raw rows of blocks just as well
                 raw = unpermute_from_gguf(raw, heads[proj])
-            int4_weights[name] = int4_weight_from_gguf(raw, t.tensor_type)
+            quant_codes[name] = codes_from_gguf(raw, t.tensor_type)
         if arch == "gemma3" and name.endswith("norm.weight"):
             array = array - 1.0  # the converter stored 1 + w
         # F32 tensors are views of the read-only memory map: copy those (and only those).
@@ -381,7 +381,7 @@ def _load_gguf(path, reader: gguf.GGUFReader, keep_int4: bool) -> LoadedModel:
         weights=weights,
         tokenizer=_tokenizer(meta),
         name=name,
-        int4_weights=int4_weights,
+        quant_codes=quant_codes,
         source=os.fspath(path),
     )
 

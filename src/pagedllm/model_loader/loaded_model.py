@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.quantization import Int4Weight
+from pagedllm.layers.quantization import QuantWeight
 from pagedllm.model_loader.tokenizer import Tokenizer
 
 
@@ -19,7 +19,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     name: str
-    # HF weight names -> int4 codes, for weights a GGUF stores as 4-bit groups (only when asked
-    # for, see load_gguf's keep_int4); `weights` holds them dequantized all the same.
-    int4_weights: dict[str, Int4Weight] = field(default_factory=dict)
+    # HF weight names -> int4 / int8 codes, for weights a GGUF stores in 4- or 8-bit blocks (only
+    # when asked for, see load_gguf's keep_codes); `weights` holds them dequantized all the same.
+    quant_codes: dict[str, QuantWeight] = field(default_factory=dict)
     source: str | None = None  # the file or directory loaded, for error messages

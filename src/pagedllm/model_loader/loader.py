@@ -152,19 +152,19 @@ def load_model_config(model: str | None) -> tuple[ModelArchConfig, str]:
 def load_model(
     model: str | None,
     tokenizer: str | None = None,
-    keep_int4: bool = False,
+    keep_codes: bool = False,
     allow_pickle: bool = False,
 ) -> LoadedModel:
     """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
 
-    keep_int4: also return a GGUF's 4-bit tensors as int4 codes (LoadedModel.int4_weights).
+    keep_codes: also return a GGUF's 4- and 8-bit blocks as codes (LoadedModel.quant_codes).
     allow_pickle: a HF directory with only pytorch_model.bin / *.pt weights is loaded (with
     torch.load(weights_only=True)) instead of refused."""
     path = _model_path(model)
     if path.is_dir():
         loaded = load_hf_dir(path, allow_pickle=allow_pickle)
     elif path.suffix == ".gguf":
-        loaded = load_gguf(path, keep_int4=keep_int4)
+        loaded = load_gguf(path, keep_codes=keep_codes)
     elif path.suffix in PICKLE_SUFFIXES:
         raise ValueError(
             f"{path} is a pickle checkpoint: loading one can run any code it carries, and a lone "

@@ -305,9 +305,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 }  // namespace
 
 void register_norm_rotary(pybind11::module& m);  // norm_rotary.cpp
+void register_quant_linear(pybind11::module& m);  // quant_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_norm_rotary(m);
+  register_quant_linear(m);
   m.attr("vec_size") = static_cast<int64_t>(Vec::size());  // head_dim must be a multiple
   m.attr("max_head_dim") = static_cast<int64_t>(kMaxHeadVecs * Vec::size());
   m.def("reshape_and_cache", &reshape_and_cache,
