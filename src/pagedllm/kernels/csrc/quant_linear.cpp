@@ -91,9 +91,9 @@ inline float dot(const float* a, const float* b, int64_t count) {
 // NT weight rows (codes q + j * row_bytes, scales and mins as floats [NT][G]) against R rows of
 // x (float [R][K], group sums xsum [R][G]): y[r * y_stride + j]. The NT x R accumulators are
 // independent chains of fused multiply-adds, which keeps the FMA units busy at one row of x.
-template <int R, int NT, bool kInt4>
+template <int R, int NT, bool kInt4, typename T>
 inline void dot_tile(const float* x, const float* xsum, int64_t K, int64_t G, const uint8_t* q,
-                     int64_t row_bytes, const float* scale, const float* mn, float* y,
+                     int64_t row_bytes, const float* scale, const float* mn, T* y,
                      int64_t y_stride) {
   const int64_t blocks_per_group = K / G / kBlock;
   Vec acc[NT][R];
@@ -122,7 +122,7 @@ inline void dot_tile(const float* x, const float* xsum, int64_t K, int64_t G, co
   for (int j = 0; j < NT; ++j) {
     for (int r = 0; r < R; ++r) {
       const float m = kInt4 ? dot(mn + j * G, xsum + r * G, G) : 0.f;
-      y[r * y_stride + j] = reduce_sum(acc[j][r]) + m;
+      y[r * y_stride + j] = static_cast<T>(reduce_sum(acc[j][r]) + m);
     }
   }
 }
@@ -146,15 +146,23 @@ void check_weights(const at::Tensor& qweight, const at::Tensor& scales, const at
   }
 }
 
-template <bool kInt4>
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor* mins) {
-  TORCH_CHECK(x.dim() == 2, "x: [M, K]");
+// y = x @ w.T in T (x's dtype); x [M, K] contiguous. Called once per layer and token in a
+// decode step, so no torch operators inside (each costs microseconds at these sizes).
+template <bool kInt4, typename T>
+void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& qweight,
+                         const at::Tensor& scales, const at::Tensor* mins) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = scales.size(1);
-  check_weights(qweight, scales, mins, K, kInt4);
   // x as float32 once, with each group's sum for the min term.
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  std::vector<float> xbuf;
+  const float* xp;
+  if constexpr (std::is_same_v<T, float>) {
+    xp = x.data_ptr<float>();
+  } else {
+    xbuf.resize(M * K);
+    const T* src = x.data_ptr<T>();
+    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(src[i]);
+    xp = xbuf.data();
+  }
   std::vector<float> xsum(kInt4 ? M * G : 0);
   if constexpr (kInt4) {
     const int64_t group = K / G;
@@ -164,8 +172,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       xsum[i] = s;
     }
   }
-  at::Tensor y = at::empty({M, N}, xf.options());
-  float* yp = y.data_ptr<float>();
+  T* yp = y.data_ptr<T>();
   const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins ? mins->data_ptr<at::Half>() : nullptr;
@@ -182,7 +189,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       half_to_float(sp + n * G, sf, rows * G);
       if (mp) half_to_float(mp + n * G, mf, rows * G);
       const uint8_t* qn = qp + n * row_bytes;
-      float* yn = yp + n;
+      T* yn = yp + n;
       // Cold weights stream at a few GB/s a core unless fetched ahead of use: ask for the
       // rows kPrefetchBytes ahead (within this thread's range) while this tile computes.
       const int64_t tile_bytes = rows * row_bytes;
@@ -196,7 +203,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       if (rows < kRowsN) {
         for (int64_t j = 0; j < rows; ++j) {
           for (int64_t m = 0; m < M; ++m) {
-            dot_tile<1, 1, kInt4>(xp + m * K, xs + m * G, K, G, qn + j * row_bytes, row_bytes,
+            dot_tile<1, 1, kInt4, T>(xp + m * K, xs + m * G, K, G, qn + j * row_bytes, row_bytes,
                                   sf + j * G, mf + j * G, yn + m * N + j, N);
           }
         }
@@ -204,29 +211,43 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       }
       int64_t m = 0;
       for (; m + kRowTile <= M; m += kRowTile) {
-        dot_tile<kRowTile, 2, kInt4>(xp + m * K, xs + m * G, K, G, qn, row_bytes, sf, mf,
+        dot_tile<kRowTile, 2, kInt4, T>(xp + m * K, xs + m * G, K, G, qn, row_bytes, sf, mf,
                                      yn + m * N, N);
-        dot_tile<kRowTile, 2, kInt4>(xp + m * K, xs + m * G, K, G, qn + 2 * row_bytes,
+        dot_tile<kRowTile, 2, kInt4, T>(xp + m * K, xs + m * G, K, G, qn + 2 * row_bytes,
                                      row_bytes, sf + 2 * G, mf + 2 * G, yn + m * N + 2, N);
       }
       const float* xm = xp + m * K;
       const float* xsm = xs + m * G;
       switch (M - m) {  // the last 1-3 rows, in one pass over the codes
         case 3:
-          dot_tile<3, 2, kInt4>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
-          dot_tile<3, 2, kInt4>(xm, xsm, K, G, qn + 2 * row_bytes, row_bytes, sf + 2 * G,
+          dot_tile<3, 2, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
+          dot_tile<3, 2, kInt4, T>(xm, xsm, K, G, qn + 2 * row_bytes, row_bytes, sf + 2 * G,
                                 mf + 2 * G, yn + m * N + 2, N);
           break;
         case 2:
-          dot_tile<2, kRowsN, kInt4>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
+          dot_tile<2, kRowsN, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
           break;
         case 1:
-          dot_tile<1, kRowsN, kInt4>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
+          dot_tile<1, kRowsN, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
           break;
       }
     }
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+template <bool kInt4>
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor* mins) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [M, K], contiguous");
+  check_weights(qweight, scales, mins, x.size(1), kInt4);
+  at::Tensor y = at::empty({x.size(0), qweight.size(0)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: quant_linear_kernel<kInt4, float>(y, x, qweight, scales, mins); break;
+    case at::kBFloat16: quant_linear_kernel<kInt4, at::BFloat16>(y, x, qweight, scales, mins); break;
+    case at::kHalf: quant_linear_kernel<kInt4, at::Half>(y, x, qweight, scales, mins); break;
+    default: TORCH_CHECK(false, "quantized linear: float32, bfloat16 or float16 x, not ", x.scalar_type());
+  }
+  return y;
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
