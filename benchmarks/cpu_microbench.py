@@ -3,9 +3,13 @@
 - attention: the C++ kernel (`cpu` backend, all rows through the kernel) vs the SDPA backend,
   one thread, 9 query heads / 3 KV heads / head_dim 64, blocks of 16 (--attention);
 - linear: F.linear's GFLOP/s at a decode shape in float32 and bfloat16; plain F.linear vs a
-  oneDNN-prepacked PackedLinear, at 1 and 64 rows, on the main thread and on another (--linear).
+  oneDNN-prepacked PackedLinear, at 1 and 64 rows, on the main thread and on another (--linear);
+- quantized: the default model's 120 projections (30 layers of qkv, o, gate_up, down, random
+  weights, cold: 66 MB of int4 codes go by before a layer comes again) at 1-32 rows through
+  the int4 layer's two paths (codes times rows; weight expanded for a GEMM) and torch's own int4
+  kernel, then the tied LM head (49152 x 576) as int8 codes and as prepacked bf16 (--quantized).
 
-    python benchmarks/cpu_microbench.py [--attention] [--linear]
+    python benchmarks/cpu_microbench.py [--attention] [--linear] [--quantized]
 """
 
 import functools
@@ -79,8 +83,51 @@ def linear() -> None:
     other.join()
 
 
+def quantized() -> None:
+    from pagedllm.layers.quantization import Int4Linear, Int4Weight, Int8Linear
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    torch.manual_seed(0)
+    codes = [Int4Weight.from_float(torch.randn(n, k)) for _ in range(30) for n, k in shapes]
+    layers = [Int4Linear(c, None, torch.bfloat16) for c in codes]
+    # torch's own int4 kernel on the same codes, in its layout (zero = min + 8 * scale)
+    torch_int4 = [
+        (
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.q.to(torch.int32), 1),
+            torch.stack([c.scale.t(), (c.min + 8 * c.scale).t()], -1).bfloat16().contiguous(),
+            c.q.shape[1],
+        )
+        for c in codes
+    ]
+
+    def seconds(fn) -> float:
+        return min(per_call_us(fn, 3) for _ in range(3)) / 1e6
+
+    mb = sum(lyr.nbytes for lyr in layers) / 1e6
+    for rows in (1, 2, 4, 8, 16, 32):
+        xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+        gemv = seconds(lambda xs=xs: [lyr._gemv(xs[lyr.in_features]) for lyr in layers])
+        expand = seconds(lambda xs=xs: [F.linear(xs[lyr.in_features], lyr.weight_as(torch.bfloat16))
+                                  for lyr in layers])  # fmt: skip
+        ref = seconds(lambda xs=xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], p, 32, sz)
+                               for p, sz, k in torch_int4])  # fmt: skip
+        print(f"int4, 120 projections ({mb:.0f} MB), {rows} rows: codes x rows "
+              f"{gemv * 1e3:.2f} ms ({mb / 1e3 / gemv:.1f} GB/s), expanded + GEMM "
+              f"{expand * 1e3:.2f} ms, torch's int4 kernel {ref * 1e3:.2f} ms")  # fmt: skip
+    head = torch.randn(49152, 576).bfloat16()
+    int8_head, bf16_head = Int8Linear.from_float(head), PackedLinear(head, None)
+    for rows in (1, 4):
+        x = torch.randn(rows, 576).bfloat16()
+        int8_ms = seconds(lambda x=x: int8_head._gemv(x)) * 1e3
+        bf16_ms = seconds(lambda x=x: bf16_head(x)) * 1e3
+        print(f"LM head 49152x576, {rows} rows: int8 codes {int8_ms:.2f} ms, "
+              f"prepacked bf16 {bf16_ms:.2f} ms")  # fmt: skip
+
+
 if __name__ == "__main__":
-    chosen = set(sys.argv[1:]) or {"--attention", "--linear"}
+    chosen = set(sys.argv[1:]) or {"--attention", "--linear", "--quantized"}
+    if "--quantized" in chosen:
+        quantized()
     if "--linear" in chosen:
         linear()
     if "--attention" in chosen:

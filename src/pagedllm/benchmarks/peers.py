@@ -291,7 +291,7 @@ def _pagedllm_dtype(engine_args: EngineArgs, weights_line: str | None) -> str:
         return engine_args.dtype
     from pagedllm.engine.llm_engine import auto_dtype, resolve_device
 
-    dtype = auto_dtype(resolve_device(engine_args.device), engine_args.quantization)
+    dtype = auto_dtype(resolve_device(engine_args.device))
     return str(dtype).removeprefix("torch.")
 
 

@@ -12,7 +12,7 @@ agreement, the share of positions where the configuration's most likely token is
 greedy token (rank 1). All generation is greedy with ignore_eos.
 
 A configuration is a dtype (float32, bfloat16, float16) or a method (int8, int4) whose
-activations are bfloat16, as `--dtype auto` gives them, or
+activations are bfloat16 (what `--dtype auto` gives on CPUs with bf16 instructions), or
 `method:dtype` for other activations, e.g. `int4:float32`.
 """
 

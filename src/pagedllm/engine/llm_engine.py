@@ -56,14 +56,14 @@ class _RequestState:
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
 
 
-def auto_dtype(device: torch.device, quantization: str = "none") -> torch.dtype:
+def auto_dtype(device: torch.device) -> torch.dtype:
     """What --dtype auto means: bfloat16 on CUDA and on CPUs with bf16 instructions (on this
     project's AVX-512 machine, 1.8x float32's decode throughput at 64 running and 2.6x its
-    prefill speed, greedy output agreeing on 99% of positions; docs/performance.md). Quantized
-    weights take bfloat16 activations everywhere: torch's int8/int4 CPU kernels are vectorized
-    for them only (float32 takes a reference path, 10-100x slower). float32 on other CPUs,
-    whose bfloat16 matmuls are emulated and slower than float32's."""
-    if device.type != "cpu" or quantization != "none":
+    prefill speed, greedy output agreeing on 99% of positions; docs/performance.md), with or
+    without quantized weights (their kernels take either; prefill expands them for a GEMM in
+    the activations' dtype). float32 on other CPUs, whose bfloat16 matmuls are emulated and
+    slower than float32's."""
+    if device.type != "cpu":
         return torch.bfloat16
     return torch.bfloat16 if has_native_bf16() else torch.float32
 
@@ -79,11 +79,7 @@ class LLMEngine:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
-        self.dtype = (
-            _DTYPES[args.dtype]
-            if args.dtype != "auto"
-            else auto_dtype(self.device, args.quantization)
-        )
+        self.dtype = _DTYPES[args.dtype] if args.dtype != "auto" else auto_dtype(self.device)
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             cores = available_cpus()

@@ -14,8 +14,8 @@ _ENGINE_FLAGS = {
     "--model": (str, "GGUF file, Hugging Face directory, or a packaged model's short name "
                      "(default: SmolLM2-135M-Instruct)"),
     "--tokenizer": (str, "tokenizer directory if not the model's own"),
-    "--dtype": (str, "float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 with "
-                     "--quantization)"),
+    "--dtype": (str, "float32 | bfloat16 | float16 | auto (bfloat16 on CUDA and on CPUs "
+                     "with bf16 instructions, else float32)"),
     "--device": (str, "cpu | cuda | auto"),
     "--seed": (int, "seed for random sampling"),
     "--max-model-len": (int, "context length (prompt + output); default: the model's"),
@@ -31,7 +31,7 @@ _ENGINE_FLAGS = {
                             "the KV cache's size)"),
     "--attention-backend": (str, "auto | cpu | sdpa | torch"),
     "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "
-                            "memory (CPU kernels; int4 takes GGUF Q4 blocks as they are)"),
+                            "memory (CPU kernels; GGUF Q4 / Q8_0 blocks taken as they are)"),
     "--kv-allocation": (str, "paged | max | pow2 | oracle: paged blocks, or one contiguous "
                              "region per request sized as pre-paging systems did (benchmarks "
                              "only)"),
