@@ -18,6 +18,7 @@ but the same numbers).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,9 @@ BLOCK = 32  # ggml's block of input channels; a group is one or more blocks
 # Up to this many rows the kernels multiply the codes directly; above, expand and run a GEMM.
 # Measured on this project's 2-core AVX-512 machine (docs/performance.md).
 MAX_GEMV_ROWS = 16
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}  # see _BlockQuantLinear.weight_as
+# dtype -> a buffer for expanded weights, per thread (engines stepped on two threads must not
+# share it); see _BlockQuantLinear.weight_as.
+_SCRATCH = threading.local()
 
 
 def _groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -164,9 +167,10 @@ class _BlockQuantLinear(nn.Module):
         if not kernels.available():
             return self.dequantize().to(dtype)
         size = self.out_features * self.in_features
-        scratch = _SCRATCH.get(dtype)
+        buffers = _SCRATCH.__dict__
+        scratch = buffers.get(dtype)
         if scratch is None or scratch.numel() < size:
-            scratch = _SCRATCH[dtype] = torch.empty(size, dtype=dtype)
+            scratch = buffers[dtype] = torch.empty(size, dtype=dtype)
         out = scratch[:size].view(self.out_features, self.in_features)
         self._expand(out)
         return out

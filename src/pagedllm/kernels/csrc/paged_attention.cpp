@@ -314,7 +314,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_head_dim") = static_cast<int64_t>(kMaxHeadVecs * Vec::size());
   m.def("reshape_and_cache", &reshape_and_cache,
         "write key/value [T, kv_heads, head_dim] into the caches at slot_mapping [T] (int64)");
-  m.def("paged_attention", &paged_attention,
+  // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(),
         "paged attention over the block tables: (out, query, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, scale, sliding_window (0: none), logits_soft_cap (0: none), "
         "skip_prefill_from (0: none; else requests with at least this many query rows are left to "

@@ -321,12 +321,14 @@ void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor
 }  // namespace
 
 void register_quant_linear(pybind11::module& m) {
-  m.def("int4_linear", &int4_linear,
+  // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("int4_linear", &int4_linear, no_gil,
         "x [M, K] @ int4 weight.T -> [M, N] in x's dtype: (x, qweight uint8 [N, K / 2], "
         "scales float16 [N, G], mins float16 [N, G])");
-  m.def("int8_linear", &int8_linear,
+  m.def("int8_linear", &int8_linear, no_gil,
         "x [M, K] @ int8 weight.T -> [M, N] in x's dtype: (x, qweight int8 [N, K], scales "
         "float16 [N, G])");
-  m.def("int4_dequantize", &int4_dequantize, "(out [N, K], qweight, scales, mins): the weight");
-  m.def("int8_dequantize", &int8_dequantize, "(out [N, K], qweight, scales): the weight");
+  m.def("int4_dequantize", &int4_dequantize, no_gil, "(out [N, K], qweight, scales, mins): the weight");
+  m.def("int8_dequantize", &int8_dequantize, no_gil, "(out [N, K], qweight, scales): the weight");
 }
