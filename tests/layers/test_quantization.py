@@ -92,6 +92,18 @@ def test_expanded_weight_is_the_dequantized_one(kind, dtype, backend):
         assert torch.equal(layer.weight_as(dtype), layer.dequantize().to(dtype))
 
 
+@pytest.mark.parametrize("offset", [0.0, 20.0])
+def test_int4_one_bfloat16_row(offset, backend):
+    """One bfloat16 row (a single stream's decode) takes AVX512-BF16 dot products where the CPU
+    has them, with 128 added to every code and taken back through the min term: a large mean in
+    x (offset) is the hard case for that cancellation. Within bfloat16's rounding of y."""
+    g = torch.Generator().manual_seed(3)
+    for k in (64, 576, 1536):  # 2, 18 and 48 blocks: whole pairs
+        layer = Int4Linear.from_float(torch.randn(48, k, generator=g))
+        x = (torch.randn(1, k, generator=g) + offset).bfloat16()
+        _check(layer(x), _reference(x, layer.dequantize(), None), torch.bfloat16)
+
+
 def test_int4_packing_is_ggmls_order():
     q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     packed = pack_int4(q)

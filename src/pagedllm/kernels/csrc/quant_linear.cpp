@@ -127,6 +127,44 @@ inline void dot_tile(const float* x, const float* xsum, int64_t K, int64_t G, co
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define PAGEDLLM_BF16_DOT 1
+// One row of bfloat16 activations against NT rows of int4 codes with AVX512-BF16 dot products
+// (a single stream's decode), two blocks at a time. A code q becomes the bfloat16 number 128 + q
+// by OR-ing it into the mantissa of 128 (no conversion instruction); the 128 * sum(x) that adds
+// per block is taken back through the min term (`mn` holds min - 128 * scale). x_perm orders
+// each pair of blocks (A, B) as A0-15 B0-15 A16-31 B16-31, the order the codes unpack in, so
+// the dot product's lanes 0-7 sum block A and lanes 8-15 block B.
+template <int NT, typename T>
+inline void int4_row_bf16(const at::BFloat16* x_perm, const float* xsum, int64_t K, int64_t G,
+                          const uint8_t* q, int64_t row_bytes, const float* scale,
+                          const float* mn, T* y) {
+  const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
+  const __m512i low_nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  __m512 acc[NT];
+  for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const auto x0 = (__m512bh)_mm512_loadu_si512(x_perm + b * kBlock);
+    const auto x1 = (__m512bh)_mm512_loadu_si512(x_perm + b * kBlock + kBlock);
+    const int64_t ga = b / blocks_per_group, gb = (b + 1) / blocks_per_group;
+    for (int j = 0; j < NT; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * row_bytes + b * 16)));
+      const __m512i lo = _mm512_ternarylogic_epi32(v, low_nibble, bf16_128, 0xEA);  // a & b | c
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bf16_128);
+      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, x0);
+      d = _mm512_dpbf16_ps(d, (__m512bh)hi, x1);
+      const float* sj = scale + j * G;
+      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sj[ga]), _mm256_set1_ps(sj[gb]), 1);
+      acc[j] = _mm512_fmadd_ps(d, s, acc[j]);
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    y[j] = static_cast<T>(_mm512_reduce_add_ps(acc[j]) + dot(mn + j * G, xsum, G));
+  }
+}
+#endif
+
 void check_weights(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* mins,
                    int64_t K, bool int4) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight: [N, K or K / 2], contiguous");
@@ -173,6 +211,26 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
     }
   }
   T* yp = y.data_ptr<T>();
+#ifdef PAGEDLLM_BF16_DOT
+  // One bfloat16 row and whole pairs of blocks: the AVX512-BF16 path (int4_row_bf16).
+  bool bf16_dot = false;
+  std::vector<at::BFloat16> x_perm;
+  if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
+    bf16_dot = M == 1 && (K / kBlock) % 2 == 0;
+    if (bf16_dot) {
+      x_perm.resize(K);
+      const T* src = x.data_ptr<T>();
+      for (int64_t b = 0; b < K; b += 2 * kBlock) {
+        for (int64_t i = 0; i < 16; ++i) {
+          x_perm[b + i] = src[b + i];                    // A 0-15
+          x_perm[b + 16 + i] = src[b + kBlock + i];      // B 0-15
+          x_perm[b + 32 + i] = src[b + 16 + i];          // A 16-31
+          x_perm[b + 48 + i] = src[b + kBlock + 16 + i]; // B 16-31
+        }
+      }
+    }
+  }
+#endif
   const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins ? mins->data_ptr<at::Half>() : nullptr;
@@ -200,6 +258,22 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
         __builtin_prefetch(sp + (n + ahead_rows) * G, 0, 2);
         if (mp) __builtin_prefetch(mp + (n + ahead_rows) * G, 0, 2);
       }
+#ifdef PAGEDLLM_BF16_DOT
+      if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
+        if (bf16_dot) {
+          for (int64_t i = 0; i < rows * G; ++i) mf[i] -= 128.f * sf[i];
+          if (rows == kRowsN) {
+            int4_row_bf16<kRowsN>(x_perm.data(), xs, K, G, qn, row_bytes, sf, mf, yn);
+          } else {
+            for (int64_t j = 0; j < rows; ++j) {
+              int4_row_bf16<1>(x_perm.data(), xs, K, G, qn + j * row_bytes, row_bytes,
+                               sf + j * G, mf + j * G, yn + j);
+            }
+          }
+          continue;
+        }
+      }
+#endif
       if (rows < kRowsN) {
         for (int64_t j = 0; j < rows; ++j) {
           for (int64_t m = 0; m < M; ++m) {
