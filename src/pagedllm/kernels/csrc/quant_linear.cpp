@@ -2,8 +2,11 @@
 // stores them (Q4_0 / Q4_1 / Q4_K codes, Q8_0), multiplied without expanding the weight first.
 //
 // A single stream's decode step is a chain of matrix-vector products bound by reading weights:
-// 4-bit codes are a quarter of bfloat16's bytes, 8-bit half. torch's own int4 CPU kernel reads
-// them at ~6.6 GB/s on cold weights here; this one streams each thread's rows sequentially.
+// 4-bit codes are a quarter of bfloat16's bytes, 8-bit half. Unlike torch's int4 CPU kernel,
+// this one keeps ggml's layout and float16 scales (a GGUF's blocks exactly), takes float32
+// activations at full speed, and a single bfloat16 row with AVX512-BF16 dot products; each
+// thread streams its own rows, prefetched ahead. Many rows are left to a float GEMM on the
+// expanded weight (`*_dequantize`, layers/quantization.py).
 //
 // Layout (per output row n, groups g of group_size = K / G input channels, a multiple of 32):
 //   int4: qweight uint8 [N, K / 2]; in each 32-weight block, byte i holds weight i in its low
