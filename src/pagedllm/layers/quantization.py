@@ -257,7 +257,8 @@ def weight_bytes(module: nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
-    # Prepacked weights (layers/packed_linear.py) are neither parameters nor buffers.
+    # Prepacked weights (layers/packed_linear.py) and quantized codes are neither parameters
+    # nor buffers: their modules report `nbytes`.
     return total + sum(getattr(m, "nbytes", 0) for m in module.modules())
 
 
