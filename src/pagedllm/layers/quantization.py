@@ -134,6 +134,13 @@ class _BlockQuantLinear(nn.Module):
     plain attributes, not buffers: module.to(dtype) must not cast them (counted by `nbytes`)."""
 
     bits: int
+    weight_cls: type  # the codes it is built from: Int4Weight or Int8Weight
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """Quantize a float weight (and keep the bias in its dtype)."""
+        bias = None if bias is None else bias.detach()
+        return cls(cls.weight_cls.from_float(weight), bias, weight.dtype)
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype):
         super().__init__()
@@ -183,7 +190,7 @@ class _BlockQuantLinear(nn.Module):
 
 
 class Int4Linear(_BlockQuantLinear):
-    bits = 4
+    bits, weight_cls = 4, Int4Weight
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(*weight.q.shape, bias, dtype)
@@ -192,11 +199,6 @@ class Int4Linear(_BlockQuantLinear):
         self.packed = pack_int4(weight.q)  # uint8 [N, K / 2]
         self.scales = weight.scale.to(torch.float16).contiguous()
         self.mins = weight.min.to(torch.float16).contiguous()
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
-        bias = None if bias is None else bias.detach()
-        return cls(Int4Weight.from_float(weight), bias, weight.dtype)
 
     def _codes(self):
         return self.packed, self.scales, self.mins
@@ -218,7 +220,7 @@ class Int4Linear(_BlockQuantLinear):
 
 
 class Int8Linear(_BlockQuantLinear):
-    bits = 8
+    bits, weight_cls = 8, Int8Weight
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(*weight.q.shape, bias, dtype)
@@ -226,11 +228,6 @@ class Int8Linear(_BlockQuantLinear):
             raise ValueError(f"int8 group size must be a multiple of {BLOCK}")
         self.qweight = weight.q.contiguous()  # int8 [N, K]
         self.scales = weight.scale.to(torch.float16).contiguous()
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        bias = None if bias is None else bias.detach()
-        return cls(Int8Weight.from_float(weight), bias, weight.dtype)
 
     def _codes(self):
         return self.qweight, self.scales
@@ -246,7 +243,7 @@ class Int8Linear(_BlockQuantLinear):
 
 
 QuantWeight = Int4Weight | Int8Weight
-LAYERS = {"int4": (Int4Weight, Int4Linear), "int8": (Int8Weight, Int8Linear)}
+LAYERS = {"int4": Int4Linear, "int8": Int8Linear}
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -301,10 +298,10 @@ def quantize_model(
         if module.weight.device.type != "cpu":
             raise ValueError("quantized weights run on pagedllm's CPU kernels: use --device cpu")
         owner = _owner_of(model, module.weight)  # a tied lm_head: the embedding
-        weight_cls, layer_cls = LAYERS["int8" if owner else method]
+        layer_cls = LAYERS["int8" if owner else method]
         codes = exact_weights.get(owner or name)
-        if not isinstance(codes, weight_cls):
-            codes = weight_cls.from_float(module.weight)
+        if not isinstance(codes, layer_cls.weight_cls):
+            codes = layer_cls.weight_cls.from_float(module.weight)
         bias = None if module.bias is None else module.bias.detach()
         parent_name, _, child = name.rpartition(".")
         layer = layer_cls(codes, bias, module.weight.dtype)
