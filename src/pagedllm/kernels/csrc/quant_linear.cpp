@@ -132,38 +132,46 @@ inline void dot_tile(const float* x, const float* xsum, int64_t K, int64_t G, co
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_BF16_DOT 1
-// One row of bfloat16 activations against NT rows of int4 codes with AVX512-BF16 dot products
-// (a single stream's decode), two blocks at a time. A code q becomes the bfloat16 number 128 + q
-// by OR-ing it into the mantissa of 128 (no conversion instruction); the 128 * sum(x) that adds
-// per block is taken back through the min term (`mn` holds min - 128 * scale). x_perm orders
-// each pair of blocks (A, B) as A0-15 B0-15 A16-31 B16-31, the order the codes unpack in, so
-// the dot product's lanes 0-7 sum block A and lanes 8-15 block B.
-template <int NT, typename T>
-inline void int4_row_bf16(const at::BFloat16* x_perm, const float* xsum, int64_t K, int64_t G,
-                          const uint8_t* q, int64_t row_bytes, const float* scale,
-                          const float* mn, T* y) {
+// R rows of bfloat16 activations against NT rows of int4 codes with AVX512-BF16 dot products
+// (decode), two blocks at a time. A code q becomes the bfloat16 number 128 + q by OR-ing it
+// into the mantissa of 128 (no conversion instruction); the 128 * sum(x) that adds per block is
+// taken back through the min term (`mn` holds min - 128 * scale). x_perm orders each pair of
+// blocks (A, B) of a row as A0-15 B0-15 A16-31 B16-31, the order the codes unpack in, so the
+// dot product's lanes 0-7 sum block A and lanes 8-15 block B. y[r * y_stride + j].
+template <int R, int NT, typename T>
+inline void int4_rows_bf16(const at::BFloat16* x_perm, const float* xsum, int64_t K, int64_t G,
+                           const uint8_t* q, int64_t row_bytes, const float* scale,
+                           const float* mn, T* y, int64_t y_stride) {
   const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
   const __m512i low_nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
-  __m512 acc[NT];
-  for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+  __m512 acc[NT][R];
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 2) {
-    const auto x0 = (__m512bh)_mm512_loadu_si512(x_perm + b * kBlock);
-    const auto x1 = (__m512bh)_mm512_loadu_si512(x_perm + b * kBlock + kBlock);
+    __m512bh x0[R], x1[R];
+    for (int r = 0; r < R; ++r) {
+      x0[r] = (__m512bh)_mm512_loadu_si512(x_perm + r * K + b * kBlock);
+      x1[r] = (__m512bh)_mm512_loadu_si512(x_perm + r * K + b * kBlock + kBlock);
+    }
     const int64_t ga = b / blocks_per_group, gb = (b + 1) / blocks_per_group;
     for (int j = 0; j < NT; ++j) {
       const __m512i v = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * row_bytes + b * 16)));
-      const __m512i lo = _mm512_ternarylogic_epi32(v, low_nibble, bf16_128, 0xEA);  // a & b | c
-      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bf16_128);
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, x0);
-      d = _mm512_dpbf16_ps(d, (__m512bh)hi, x1);
+      const auto lo = (__m512bh)_mm512_ternarylogic_epi32(v, low_nibble, bf16_128, 0xEA);
+      const auto hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bf16_128);
       const float* sj = scale + j * G;
       const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sj[ga]), _mm256_set1_ps(sj[gb]), 1);
-      acc[j] = _mm512_fmadd_ps(d, s, acc[j]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, x0[r]), hi, x1[r]);
+        acc[j][r] = _mm512_fmadd_ps(d, s, acc[j][r]);
+      }
     }
   }
   for (int j = 0; j < NT; ++j) {
-    y[j] = static_cast<T>(_mm512_reduce_add_ps(acc[j]) + dot(mn + j * G, xsum, G));
+    for (int r = 0; r < R; ++r) {
+      const float sum = _mm512_reduce_add_ps(acc[j][r]) + dot(mn + j * G, xsum + r * G, G);
+      y[r * y_stride + j] = static_cast<T>(sum);
+    }
   }
 }
 #endif
@@ -215,20 +223,20 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
   }
   T* yp = y.data_ptr<T>();
 #ifdef PAGEDLLM_BF16_DOT
-  // One bfloat16 row and whole pairs of blocks: the AVX512-BF16 path (int4_row_bf16).
+  // bfloat16 rows and whole pairs of blocks: the AVX512-BF16 path (int4_rows_bf16).
   bool bf16_dot = false;
   std::vector<at::BFloat16> x_perm;
   if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
-    bf16_dot = M == 1 && (K / kBlock) % 2 == 0;
+    bf16_dot = (K / kBlock) % 2 == 0;
     if (bf16_dot) {
-      x_perm.resize(K);
+      x_perm.resize(M * K);
       const T* src = x.data_ptr<T>();
-      for (int64_t b = 0; b < K; b += 2 * kBlock) {
+      for (int64_t b = 0; b < M * K; b += 2 * kBlock) {  // K is whole pairs: rows too
         for (int64_t i = 0; i < 16; ++i) {
-          x_perm[b + i] = src[b + i];                    // A 0-15
-          x_perm[b + 16 + i] = src[b + kBlock + i];      // B 0-15
-          x_perm[b + 32 + i] = src[b + 16 + i];          // A 16-31
-          x_perm[b + 48 + i] = src[b + kBlock + 16 + i]; // B 16-31
+          x_perm[b + i] = src[b + i];                     // A 0-15
+          x_perm[b + 16 + i] = src[b + kBlock + i];       // B 0-15
+          x_perm[b + 32 + i] = src[b + 16 + i];           // A 16-31
+          x_perm[b + 48 + i] = src[b + kBlock + 16 + i];  // B 16-31
         }
       }
     }
@@ -265,13 +273,34 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
       if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
         if (bf16_dot) {
           for (int64_t i = 0; i < rows * G; ++i) mf[i] -= 128.f * sf[i];
-          if (rows == kRowsN) {
-            int4_row_bf16<kRowsN>(x_perm.data(), xs, K, G, qn, row_bytes, sf, mf, yn);
-          } else {
+          const at::BFloat16* xq = x_perm.data();
+          if (rows < kRowsN) {
             for (int64_t j = 0; j < rows; ++j) {
-              int4_row_bf16<1>(x_perm.data(), xs, K, G, qn + j * row_bytes, row_bytes,
-                               sf + j * G, mf + j * G, yn + j);
+              for (int64_t m = 0; m < M; ++m) {
+                int4_rows_bf16<1, 1>(xq + m * K, xs + m * G, K, G, qn + j * row_bytes,
+                                     row_bytes, sf + j * G, mf + j * G, yn + m * N + j, N);
+              }
             }
+            continue;
+          }
+          int64_t m = 0;
+          for (; m + kRowTile <= M; m += kRowTile) {
+            for (int64_t j = 0; j < kRowsN; j += 2) {
+              int4_rows_bf16<kRowTile, 2>(xq + m * K, xs + m * G, K, G, qn + j * row_bytes,
+                                          row_bytes, sf + j * G, mf + j * G, yn + m * N + j, N);
+            }
+          }
+          const int64_t left = M - m;
+          const at::BFloat16* xl = xq + m * K;
+          if (left == 3) {
+            for (int64_t j = 0; j < kRowsN; j += 2) {
+              int4_rows_bf16<3, 2>(xl, xs + m * G, K, G, qn + j * row_bytes, row_bytes,
+                                   sf + j * G, mf + j * G, yn + m * N + j, N);
+            }
+          } else if (left == 2) {
+            int4_rows_bf16<2, kRowsN>(xl, xs + m * G, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
+          } else if (left == 1) {
+            int4_rows_bf16<1, kRowsN>(xl, xs + m * G, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
           }
           continue;
         }
