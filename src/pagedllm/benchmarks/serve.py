@@ -53,6 +53,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between chunks after the first
     error: str | None = None
+    retried: bool = False  # the connection closed before any response: sent again once
 
 
 async def _send(client, url: str, model: str, request: WorkloadRequest) -> RequestResult:
@@ -63,31 +64,42 @@ async def _send(client, url: str, model: str, request: WorkloadRequest) -> Reque
         "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
+    for attempt in (0, 1):
+        responded = False
+        try:
+            async with client.stream("POST", url, json=body) as response:
+                responded = True
+                if response.status_code != 200:
+                    head = (await response.aread())[:200]
+                    result.error = f"HTTP {response.status_code}: {head!r}"
                     return result
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-        result.latency = time.perf_counter() - start
-    except Exception as e:  # noqa: BLE001 - a failed request is a result too
-        result.error = repr(e)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        result.error = chunk["error"]["message"]
+                        return result
+                    now = time.perf_counter()
+                    if chunk.get("usage"):
+                        result.output_len = chunk["usage"]["completion_tokens"]
+                    if not chunk.get("choices"):
+                        continue
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+            result.latency = time.perf_counter() - start
+            return result
+        except Exception as e:  # noqa: BLE001 - a failed request is a result too
+            # Closed before any response: a keep-alive connection the server had just closed
+            # (llama-server does so now and then), so the request was never read: once more.
+            if attempt == 0 and not responded and type(e).__name__ == "RemoteProtocolError":
+                result.retried = True
+                continue
+            result.error = repr(e)
+            return result
     return result
 
 
@@ -97,6 +109,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "retried": sum(r.retried for r in results),
         "duration_s": duration,
         "total_input_tokens": sum(r.prompt_len for r in ok),
         "total_output_tokens": sum(r.output_len for r in ok),
