@@ -142,12 +142,26 @@ class _BlockQuantLinear(nn.Module):
         bias = None if bias is None else bias.detach()
         return cls(cls.weight_cls.from_float(weight), bias, weight.dtype)
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype):
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        if in_features % BLOCK:
-            raise ValueError(f"quantized weights need in_features % {BLOCK} == 0: {in_features}")
-        self.out_features, self.in_features = out_features, in_features
+        self.out_features, self.in_features = weight.q.shape
+        if self.in_features % BLOCK or weight.group_size % BLOCK:
+            raise ValueError(
+                f"quantized weights need in_features % {BLOCK} == 0 and groups of whole "
+                f"blocks: in_features {self.in_features}, group size {weight.group_size}"
+            )
+        self.scales = weight.scale.to(torch.float16).contiguous()
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def _codes(self) -> tuple[torch.Tensor, ...]:
+        """The kernels' arguments after x (or out): codes, scales[, mins]."""
+        raise NotImplementedError
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(kernels.cpu_ops(), f"int{self.bits}_linear")(x, *self._codes())
+
+    def _expand(self, out: torch.Tensor) -> None:
+        getattr(kernels.cpu_ops(), f"int{self.bits}_dequantize")(out, *self._codes())
 
     @property
     def nbytes(self) -> int:
@@ -193,21 +207,12 @@ class Int4Linear(_BlockQuantLinear):
     bits, weight_cls = 4, Int4Weight
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__(*weight.q.shape, bias, dtype)
-        if weight.group_size % BLOCK:
-            raise ValueError(f"int4 group size must be a multiple of {BLOCK}")
+        super().__init__(weight, bias, dtype)
         self.packed = pack_int4(weight.q)  # uint8 [N, K / 2]
-        self.scales = weight.scale.to(torch.float16).contiguous()
         self.mins = weight.min.to(torch.float16).contiguous()
 
     def _codes(self):
         return self.packed, self.scales, self.mins
-
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.cpu_ops().int4_linear(x, self.packed, self.scales, self.mins)
-
-    def _expand(self, out: torch.Tensor) -> None:
-        kernels.cpu_ops().int4_dequantize(out, self.packed, self.scales, self.mins)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], rounded as the kernel does (one fused multiply-add)."""
@@ -223,20 +228,11 @@ class Int8Linear(_BlockQuantLinear):
     bits, weight_cls = 8, Int8Weight
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__(*weight.q.shape, bias, dtype)
-        if weight.group_size % BLOCK:
-            raise ValueError(f"int8 group size must be a multiple of {BLOCK}")
+        super().__init__(weight, bias, dtype)
         self.qweight = weight.q.contiguous()  # int8 [N, K]
-        self.scales = weight.scale.to(torch.float16).contiguous()
 
     def _codes(self):
         return self.qweight, self.scales
-
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.cpu_ops().int8_linear(x, self.qweight, self.scales)
-
-    def _expand(self, out: torch.Tensor) -> None:
-        kernels.cpu_ops().int8_dequantize(out, self.qweight, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float().repeat_interleave(self.group_size, dim=1)
