@@ -1,6 +1,8 @@
-"""Where a one-request decode step goes (docs/performance.md, item 7): the wall time of each C++
-kernel inside the engine's step, then the step again with every kernel replaced by a no-op
-(outputs still allocated), which leaves the Python and torch glue, scheduling and sampling.
+"""Where a one-request decode step goes (docs/performance.md, items 7 and 8): the step with the
+fused C++ decoder and through the model's modules (--enforce-eager); then, through the modules,
+the wall time of each C++ kernel inside the step, and the step again with every kernel replaced
+by a no-op (outputs still allocated), which leaves the Python and torch glue, scheduling and
+sampling.
 
     python benchmarks/one_stream_split.py [quantization=int4 ...]   # EngineArgs fields
 """
@@ -35,6 +37,10 @@ def step_ms(n: int = 40) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
+fused = engine.model.model.fused
+print(f"step with the fused decoder: {step_ms():.2f} ms" if fused else "no fused decoder here")
+engine.model.model.fused = None  # the modules, as --enforce-eager
+print(f"step through the modules: {step_ms():.2f} ms")
 seconds, calls = collections.Counter(), collections.Counter()
 real = {name: getattr(ops, name) for name in KERNELS}
 
@@ -54,7 +60,8 @@ for name in KERNELS:
     setattr(ops, name, timed(name))
 n = 40
 total = step_ms(n)
-print(f"step {total:.2f} ms; inside C++ kernels {sum(seconds.values()) / n * 1e3:.2f} ms")
+inside = sum(seconds.values()) / n * 1e3
+print(f"modules, kernels timed: step {total:.2f} ms; inside C++ kernels {inside:.2f} ms")
 for name, s in seconds.most_common():
     each = s / calls[name] * 1e6
     print(f"  {name}: {s / n * 1e3:.2f} ms ({calls[name] // n} calls, {each:.1f} us each)")
@@ -62,6 +69,6 @@ ops.int4_linear = lambda x, q, s, m: x.new_empty(x.shape[0], q.shape[0])
 ops.int8_linear = lambda x, q, s: x.new_empty(x.shape[0], q.shape[0])
 for name in KERNELS[2:]:
     setattr(ops, name, lambda *args: None)
-print(f"step with every kernel a no-op (outputs allocated): {step_ms():.2f} ms")
+print(f"modules, every kernel a no-op (outputs allocated): {step_ms():.2f} ms")
 for name in KERNELS:
     setattr(ops, name, real[name])

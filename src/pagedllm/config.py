@@ -106,6 +106,8 @@ class EngineArgs:
     # Load a HF directory's pickle weights (pytorch_model.bin, *.pt) when it has no safetensors,
     # with torch.load(weights_only=True); refused by default, as a pickle can carry code.
     allow_pickle_checkpoints: bool = False
+    # Run every step through the model's PyTorch modules: no fused C++ decoder (CPU decode steps)
+    enforce_eager: bool = False
     # paged | max | pow2 | oracle: the pre-paging contiguous reservations, for benchmarks only
     kv_allocation: str = "paged"
 

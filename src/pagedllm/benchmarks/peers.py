@@ -186,8 +186,9 @@ def engine_flags_argv(engine_args: EngineArgs) -> list[str]:
     for field in ("enable_chunked_prefill", "enable_prefix_caching"):
         if not getattr(engine_args, field):
             argv.append("--no-" + field.replace("_", "-"))
-    if engine_args.allow_pickle_checkpoints:
-        argv.append("--allow-pickle-checkpoints")
+    for field in ("allow_pickle_checkpoints", "enforce_eager"):
+        if getattr(engine_args, field):
+            argv.append("--" + field.replace("_", "-"))
     return argv
 
 

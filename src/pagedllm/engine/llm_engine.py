@@ -20,6 +20,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
 from pagedllm.layers.quantization import quantize_model, weight_bytes
 from pagedllm.model_loader import load_model
+from pagedllm.models.fused_decoder import NotFusable
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
@@ -117,6 +118,7 @@ class LLMEngine:
                 "bfloat16 projections prepacked for oneDNN (+%.1f MiB for tied copies)",
                 added / 2**20,
             )
+        self._fuse_decoder()
         logger.info(
             "loaded %s in %.1f s (attention backend: %s)",
             self.model_name, time.perf_counter() - t0, self.attention_backend,
@@ -222,6 +224,17 @@ class LLMEngine:
         if exact:
             logger.info("%d weights taken from the GGUF's blocks as they are", len(exact))
         return quant_bytes
+
+    def _fuse_decoder(self) -> None:
+        """Decode steps through the fused C++ decoder where the model allows it (CPU)."""
+        if self.args.enforce_eager or self.device.type != "cpu":
+            return
+        try:
+            self.model.fuse_decoder()
+        except NotFusable as e:
+            logger.info("fused decoder: off (%s)", e)
+            return
+        logger.info("fused decoder: on for decode steps (--enforce-eager turns it off)")
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

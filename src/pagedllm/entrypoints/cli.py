@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="load a directory's pytorch_model.bin / *.pt weights when it has no "
                        "safetensors, with torch.load(weights_only=True) (refused by default: a "
                        "pickle can carry code)")  # fmt: skip
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="always run the model's PyTorch modules: no fused C++ decoder for "
+                       "decode steps on CPU (it gives the same tokens, faster)")  # fmt: skip
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

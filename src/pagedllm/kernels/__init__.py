@@ -23,10 +23,10 @@ from pagedllm.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "norm_rotary.cpp", "quant_linear.cpp")
-]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "quant_linear.cpp",
+                                    "decoder.cpp")]  # fmt: skip
+HEADERS = [CSRC / "ops.h"]
 
 
 def _capability_flags() -> list[str]:
@@ -50,7 +50,7 @@ class KernelUnavailable(RuntimeError):
 def build_key() -> str:
     """Changes with the sources, torch, Python, the CPU's flags (-march=native) and CFLAGS."""
     h = hashlib.sha256()
-    for p in SOURCES:
+    for p in SOURCES + HEADERS:
         h.update(p.read_bytes())
     for part in (torch.__version__, sys.version, " ".join(sorted(cpu_flags())), *CFLAGS):
         h.update(part.encode())

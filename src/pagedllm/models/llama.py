@@ -24,6 +24,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.fused_decoder import FusedDecoder, NotFusable
 
 
 class LlamaAttention(nn.Module):
@@ -131,11 +132,14 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.embedding_multiplier = config.embedding_multiplier
+        self.fused: FusedDecoder | None = None  # LlamaForCausalLM.fuse_decoder sets it
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.embedding_multiplier
+        if self.fused is not None and self.fused.applies(len(input_ids), attn_metadata):
+            return self.fused(hidden_states, positions, kv_caches, attn_metadata)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -165,6 +169,13 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype  # lm_head may be quantized
+
+    def fuse_decoder(self) -> None:
+        """Run decode steps' layers as one C++ call over the current weights (load, quantize
+        and pack first); raises NotFusable with the reason where it cannot."""
+        if type(self.model) is not LlamaModel:
+            raise NotFusable(f"{type(self.model).__name__} layers")
+        self.model.fused = FusedDecoder(self.model, self.config)
 
     def fused_shards(self) -> dict[str, tuple[str, int, int]]:
         """checkpoint module -> (our fused module, row offset, rows)."""

@@ -6,6 +6,8 @@
 
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 
+namespace pagedllm {
 namespace {
 
 // Round a float to T and back, as storing an intermediate tensor of dtype T does.
@@ -59,6 +62,8 @@ void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   });
 }
 
+}  // namespace
+
 // out = RMSNorm(x) * weight; with `residual`, first residual = x + residual (in place) and the
 // sum is normalised. x, residual, out: [rows, dim] contiguous; weight [dim].
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
@@ -83,6 +88,8 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
     default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16");
   }
 }
+
+namespace {
 
 template <typename T>
 void rotary_kernel(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_cache,
@@ -112,6 +119,8 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& positions, const at::Tensor&
   });
 }
 
+}  // namespace
+
 // Rotary embedding (HF's rotate_half layout) in place on x [tokens, heads * head_dim] (rows may
 // be strided, e.g. q and k slices of a fused qkv output); the first rotary_dim dims of each head
 // rotate. cos_cache/sin_cache: [max_positions, rotary_dim / 2] float32; positions [tokens] int64.
@@ -134,6 +143,8 @@ void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tenso
     default: TORCH_CHECK(false, "rotary: float32, bfloat16 or float16");
   }
 }
+
+namespace {
 
 template <typename T>
 void silu_and_mul_kernel(at::Tensor& out, const at::Tensor& x) {
@@ -162,6 +173,8 @@ void silu_and_mul_kernel(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+}  // namespace
+
 // out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2 d] (a fused gate_up projection).
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.dim() == 2 &&
@@ -176,12 +189,12 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   }
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 void register_norm_rotary(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "out = RMSNorm(x [+ residual, written back]) * weight",
+  m.def("rms_norm", &pagedllm::rms_norm, "out = RMSNorm(x [+ residual, written back]) * weight",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("residual"), py::arg("eps"));
-  m.def("rotary_embedding", &rotary_embedding,
+  m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "rotary embedding in place on x [tokens, heads * head_dim] (rotate_half layout)");
-  m.def("silu_and_mul", &silu_and_mul, "out [rows, d] = silu(x[:, :d]) * x[:, d:]");
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "out [rows, d] = silu(x[:, :d]) * x[:, d:]");
 }

@@ -12,6 +12,8 @@
 
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -22,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+namespace pagedllm {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -220,6 +223,8 @@ void paged_attention_kernel(
   });
 }
 
+}  // namespace
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
@@ -302,20 +307,22 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 void register_norm_rotary(pybind11::module& m);  // norm_rotary.cpp
 void register_quant_linear(pybind11::module& m);  // quant_linear.cpp
+void register_decoder(pybind11::module& m);  // decoder.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_norm_rotary(m);
   register_quant_linear(m);
-  m.attr("vec_size") = static_cast<int64_t>(Vec::size());  // head_dim must be a multiple
-  m.attr("max_head_dim") = static_cast<int64_t>(kMaxHeadVecs * Vec::size());
-  m.def("reshape_and_cache", &reshape_and_cache,
+  register_decoder(m);
+  m.attr("vec_size") = static_cast<int64_t>(pagedllm::Vec::size());  // head_dim must be a multiple
+  m.attr("max_head_dim") = static_cast<int64_t>(pagedllm::kMaxHeadVecs * pagedllm::Vec::size());
+  m.def("reshape_and_cache", &pagedllm::reshape_and_cache,
         "write key/value [T, kv_heads, head_dim] into the caches at slot_mapping [T] (int64)");
   // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
-  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(),
+  m.def("paged_attention", &pagedllm::paged_attention, py::call_guard<py::gil_scoped_release>(),
         "paged attention over the block tables: (out, query, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, scale, sliding_window (0: none), logits_soft_cap (0: none), "
         "skip_prefill_from (0: none; else requests with at least this many query rows are left to "

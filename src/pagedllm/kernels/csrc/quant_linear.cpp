@@ -18,6 +18,8 @@
 
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+namespace pagedllm {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -356,6 +359,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
+}  // namespace
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins) {
   return quant_linear<true>(x, qweight, scales, &mins);
@@ -364,6 +369,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   return quant_linear<false>(x, qweight, scales, nullptr);
 }
+
+namespace {
 
 // The weight [N, K] in `dtype`: for products with many rows, which a float GEMM does better.
 template <bool kInt4, typename T>
@@ -415,6 +422,8 @@ void dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& sca
   }
 }
 
+}  // namespace
+
 void int4_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins) {
   dequantize<true>(out, qweight, scales, &mins);
@@ -424,17 +433,17 @@ void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor
   dequantize<false>(out, qweight, scales, nullptr);
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 void register_quant_linear(pybind11::module& m) {
   // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("int4_linear", &int4_linear, no_gil,
+  m.def("int4_linear", &pagedllm::int4_linear, no_gil,
         "x [M, K] @ int4 weight.T -> [M, N] in x's dtype: (x, qweight uint8 [N, K / 2], "
         "scales float16 [N, G], mins float16 [N, G])");
-  m.def("int8_linear", &int8_linear, no_gil,
+  m.def("int8_linear", &pagedllm::int8_linear, no_gil,
         "x [M, K] @ int8 weight.T -> [M, N] in x's dtype: (x, qweight int8 [N, K], scales "
         "float16 [N, G])");
-  m.def("int4_dequantize", &int4_dequantize, no_gil, "(out [N, K], qweight, scales, mins): the weight");
-  m.def("int8_dequantize", &int8_dequantize, no_gil, "(out [N, K], qweight, scales): the weight");
+  m.def("int4_dequantize", &pagedllm::int4_dequantize, no_gil, "(out [N, K], qweight, scales, mins): the weight");
+  m.def("int8_dequantize", &pagedllm::int8_dequantize, no_gil, "(out [N, K], qweight, scales): the weight");
 }

@@ -1,0 +1,152 @@
+// A Llama-style decoder stack in one C++ call, for steps whose requests all go through the paged
+// attention kernel (decode). At a single stream's sizes the kernels take a few microseconds each
+// and the Python and torch glue between them (modules, views, allocations: about 100 us a
+// layer) was a quarter of the step; here the same kernels run in the same order, with the same
+// arguments as models/llama.py gives them, so the results are identical, and without the GIL.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+// oneDNN's product with a weight prepacked by mkldnn._reorder_linear_weight
+// (layers/packed_linear.py), through the dispatcher as torch.ops.mkldnn._linear_pointwise.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            std::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<std::string_view>)>();
+  return op.call(x, packed_weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// One projection, as the Python layer it stands for computes it.
+struct Linear {
+  enum Kind { kDense, kPacked, kInt4, kInt8 };
+  Kind kind;
+  std::vector<at::Tensor> weights;  // dense/packed: {weight}; int4: {codes, scales, mins}; int8: {codes, scales}
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case kDense: return at::linear(x, weights[0], bias);
+      case kPacked: return packed_linear(x, weights[0], bias);
+      case kInt4: return with_bias(int4_linear(x, weights[0], weights[1], weights[2]));
+      case kInt8: return with_bias(int8_linear(x, weights[0], weights[1]));
+    }
+    TORCH_CHECK(false, "unknown linear kind");
+  }
+
+  at::Tensor with_bias(at::Tensor y) const { return bias ? y.add_(*bias) : y; }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  Linear qkv, o, gate_up, down;
+  int64_t sliding_window;  // 0: none
+};
+
+class LlamaDecoder {
+ public:
+  LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+               double scale, double eps, at::Tensor cos_cache, at::Tensor sin_cache,
+               at::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+        rotary_dim_(rotary_dim), scale_(scale), eps_(eps), cos_cache_(std::move(cos_cache)),
+        sin_cache_(std::move(sin_cache)), final_norm_(std::move(final_norm)) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, Linear qkv, Linear o,
+                 Linear gate_up, Linear down, int64_t sliding_window) {
+    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv),
+                       std::move(o), std::move(gate_up), std::move(down), sliding_window});
+  }
+
+  // hidden [T, hidden]: the embeddings, which become the residual stream (updated in place, as
+  // the Python path does); returns the final norm's output. kv_caches: one (K, V) per layer.
+  at::Tensor forward(at::Tensor hidden, const at::Tensor& positions,
+                     const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
+    TORCH_CHECK(!layers_.empty() && kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden: [tokens, hidden], contiguous");
+    const int64_t T = hidden.size(0), d = head_dim_;
+    const int64_t q_size = num_heads_ * d, kv_size = num_kv_heads_ * d;
+    at::Tensor residual = hidden;
+    at::Tensor normed = at::empty_like(hidden);
+    rms_norm(normed, hidden, layers_[0].input_norm, std::nullopt, eps_);
+    at::Tensor h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i > 0) {
+        normed = at::empty_like(h);
+        rms_norm(normed, h, layer.input_norm, residual, eps_);
+      }
+      const at::Tensor qkv = layer.qkv(normed);
+      const at::Tensor q = qkv.narrow(1, 0, q_size);
+      const at::Tensor k = qkv.narrow(1, q_size, kv_size);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      rotary_embedding(q, positions, cos_cache_, sin_cache_, d, rotary_dim_);
+      rotary_embedding(k, positions, cos_cache_, sin_cache_, d, rotary_dim_);
+      const auto& [k_cache, v_cache] = kv_caches[i];
+      reshape_and_cache(k.view({T, num_kv_heads_, d}), v.view({T, num_kv_heads_, d}), k_cache,
+                        v_cache, slot_mapping);
+      at::Tensor attn = at::empty({T, num_heads_, d}, hidden.options());
+      paged_attention(attn, q.view({T, num_heads_, d}), k_cache, v_cache, block_tables, seq_lens,
+                      query_start_loc, scale_, layer.sliding_window, 0.0, 0);
+      const at::Tensor o = layer.o(attn.view({T, q_size}));
+      normed = at::empty_like(o);
+      rms_norm(normed, o, layer.post_attention_norm, residual, eps_);
+      const at::Tensor gate_up = layer.gate_up(normed);
+      at::Tensor act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
+      silu_and_mul(act, gate_up);
+      h = layer.down(act);
+    }
+    at::Tensor out = at::empty_like(h);
+    rms_norm(out, h, final_norm_, residual, eps_);
+    return out;
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;
+  double scale_, eps_;
+  at::Tensor cos_cache_, sin_cache_, final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+}  // namespace pagedllm
+
+void register_decoder(pybind11::module& m) {
+  using pagedllm::Linear;
+  using pagedllm::LlamaDecoder;
+  using Bias = std::optional<at::Tensor>;
+  py::class_<Linear>(m, "Linear", "one projection of the fused decoder, as its Python layer")
+      .def_static("dense", [](at::Tensor w, Bias b) { return Linear{Linear::kDense, {w}, b}; })
+      .def_static("packed", [](at::Tensor w, Bias b) { return Linear{Linear::kPacked, {w}, b}; })
+      .def_static("int4", [](at::Tensor q, at::Tensor s, at::Tensor mn, Bias b) {
+        return Linear{Linear::kInt4, {q, s, mn}, b};
+      })
+      .def_static("int8", [](at::Tensor q, at::Tensor s, Bias b) {
+        return Linear{Linear::kInt8, {q, s}, b};
+      });
+  py::class_<LlamaDecoder>(m, "LlamaDecoder", "a Llama-style decoder stack in one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                    at::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("rotary_dim"), py::arg("scale"), py::arg("eps"), py::arg("cos_cache"),
+           py::arg("sin_cache"), py::arg("final_norm"))
+      .def("add_layer", &LlamaDecoder::add_layer)
+      // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
+      .def("forward", &LlamaDecoder::forward, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,91 @@
+"""The Llama decoder stack as one C++ call for decode steps on CPU (kernels/csrc/decoder.cpp).
+
+A single stream's step runs 30 layers of a dozen small kernels each; between them, module calls,
+views and allocations in Python cost about as much as the kernels (docs/performance.md). The
+fused decoder runs the same kernels in the same order over the same weights (shared, not
+copied), so its output is bit for bit the modules' own. The engine turns it on after loading
+(`--enforce-eager` keeps the modules); LlamaModel.forward takes it for a step when `applies`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm import kernels
+from pagedllm.attention.cpu import MIN_SDPA_QUERY_LEN
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelArchConfig
+from pagedllm.layers.packed_linear import PackedLinear
+from pagedllm.layers.quantization import MAX_GEMV_ROWS, Int4Linear, Int8Linear
+
+
+class NotFusable(Exception):
+    """Why a model's layers cannot run as the fused decoder (the modules run instead)."""
+
+
+def _linear(module: nn.Module, dtype: torch.dtype):
+    ops = kernels.cpu_ops()
+    bias = None if module.bias is None else module.bias.detach()
+    if isinstance(module, Int4Linear):
+        return ops.Linear.int4(*module._codes(), bias)
+    if isinstance(module, Int8Linear):
+        return ops.Linear.int8(*module._codes(), bias)
+    if isinstance(module, PackedLinear):
+        return ops.Linear.packed(module.packed_weight, bias)
+    if type(module) is nn.Linear and module.weight.dtype == dtype:
+        return ops.Linear.dense(module.weight.detach(), bias)
+    raise NotFusable(f"a {type(module).__name__} projection")
+
+
+class FusedDecoder:
+    def __init__(self, model: nn.Module, config: ModelArchConfig):
+        """`model`: a LlamaModel, loaded (and quantized or packed) for good."""
+        if not kernels.available():
+            raise NotFusable("the C++ kernels are not available")
+        dtype = model.embed_tokens.weight.dtype
+        if model.embed_tokens.weight.device.type != "cpu":
+            raise NotFusable("the model is not on the CPU")
+        if config.qk_norm or config.residual_multiplier != 1.0:
+            raise NotFusable("q/k norms or a residual multiplier")
+        ops = kernels.cpu_ops()
+        first = model.layers[0].self_attn
+        rotary, attn = first.rotary_emb, first.attn
+        if attn.head_dim % ops.vec_size or attn.head_dim > ops.max_head_dim:
+            raise NotFusable(f"head_dim {attn.head_dim}")
+        self.decoder = ops.LlamaDecoder(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim, attn.scale,
+            model.norm.eps, rotary.cos_f32, rotary.sin_f32, model.norm.weight.detach(),
+        )  # fmt: skip
+        quantized = False
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if a.attn.backend.name != "cpu" or a.attn.logits_soft_cap is not None:
+                raise NotFusable(f"attention backend {a.attn.backend.name}")
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            quantized |= any(isinstance(m, (Int4Linear, Int8Linear)) for m in linears)
+            self.decoder.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                *(_linear(m, dtype) for m in linears),
+                a.attn.sliding_window or 0,
+            )
+        # Quantized projections multiply codes directly up to MAX_GEMV_ROWS rows; above, the
+        # modules expand the weights for a float GEMM.
+        self.max_tokens = MAX_GEMV_ROWS if quantized else None
+
+    def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Every request through the attention kernel (decode, short chunks), one KV group."""
+        return (
+            meta.groups is None
+            and meta.max_query_len < MIN_SDPA_QUERY_LEN
+            and (self.max_tokens is None or num_tokens <= self.max_tokens)
+            and not torch.is_grad_enabled()
+        )
+
+    def __call__(self, hidden_states, positions, kv_caches, meta: AttentionMetadata):
+        """The embeddings [T, hidden] -> the final norm's output, as LlamaModel's layers."""
+        return self.decoder.forward(
+            hidden_states, positions, kv_caches, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc,
+        )  # fmt: skip
