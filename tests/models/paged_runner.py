@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed import head_shard
 
 
 @dataclass
@@ -27,7 +28,7 @@ class PagedRunner:
     def __init__(self, model, block_size: int = 4, num_blocks: int = 128, seed: int = 0):
         c = model.config
         self.model, self.block_size = model, block_size
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (num_blocks, block_size, head_shard(c).num_kv_heads, c.head_dim)
         # NaN-filled: reading a slot nobody wrote turns the logits into NaN.
         self.kv_caches = [
             (
@@ -59,10 +60,16 @@ class PagedRunner:
             hidden = self.step(sched)
             last_rows = torch.tensor(list(itertools.accumulate(n for _, n in sched))) - 1
             logits = self.model.compute_logits(hidden[last_rows])
-            for (r, _), row in zip(sched, logits, strict=True):
+            tokens = self.greedy(logits, len(sched))
+            for i, (r, _) in enumerate(sched):
                 if r.num_computed_tokens == len(r.token_ids):  # prompt done: sample
-                    r.logits.append(row)
-                    r.token_ids.append(int(row.argmax()))
+                    if logits is not None:
+                        r.logits.append(logits[i])
+                    r.token_ids.append(tokens[i])
+
+    def greedy(self, logits: torch.Tensor | None, rows: int) -> list[int]:
+        """The argmax of each row (tests/distributed/tp_rank.py: rank 0's, to every rank)."""
+        return logits.argmax(-1).tolist()
 
     def step(self, sched: list[tuple[Req, int]]) -> torch.Tensor:
         """Run the model on num_tokens new tokens of each request; returns hidden [T, hidden]."""

@@ -16,6 +16,7 @@ from pagedllm import kernels
 from pagedllm.attention.cpu import MIN_SDPA_QUERY_LEN
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed import tp_group
 from pagedllm.layers.packed_linear import PackedLinear
 from pagedllm.layers.quantization import MAX_GEMV_ROWS, Int4Linear, Int8Linear
 
@@ -43,6 +44,8 @@ class FusedDecoder:
         """`model`: a LlamaModel, loaded (and quantized or packed) for good."""
         if not kernels.available():
             raise NotFusable("the C++ kernels are not available")
+        if tp_group().size > 1:
+            raise NotFusable("tensor parallelism (the all-reduces are the modules')")
         dtype = model.embed_tokens.weight.dtype
         if model.embed_tokens.weight.device.type != "cpu":
             raise NotFusable("the model is not on the CPU")

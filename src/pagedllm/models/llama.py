@@ -20,10 +20,13 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed import all_reduce, gather_vocab, head_shard, tp_group, vocab_shard
+from pagedllm.distributed.parallel import split
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.vocab_parallel import VocabParallelEmbedding
 from pagedllm.models.fused_decoder import FusedDecoder, NotFusable
 
 
@@ -37,7 +40,8 @@ class LlamaAttention(nn.Module):
         dtype,
     ):
         super().__init__()
-        h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        shard = head_shard(config)  # this rank's heads (all of them with one rank)
+        h, kvh, d = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size, self.head_dim = h * d, kvh * d, d
         qkv_bias = config.attention_bias or config.qkv_bias
         hidden = config.hidden_size
@@ -67,19 +71,20 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
         q, k = self.rotary_emb.apply(q, k, cos_sin)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata)))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig, dtype):
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        _, inter = split(config.intermediate_size, "the MLP's intermediate size")
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -116,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: str, dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         # One RoPE table shared by all layers (it only depends on the config).
         rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -160,9 +165,14 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
+        if tp_group().size > 1 and self.model_class is not LlamaModel:
+            raise ValueError(
+                f"tensor parallelism covers Llama-style models, not {config.architecture}"
+            )
         self.config = config
         self.model = self.model_class(config, attention_backend, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        _, vocab_rows = vocab_shard(config.vocab_size)  # all of it with one rank
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -180,9 +190,10 @@ class LlamaForCausalLM(nn.Module):
     def fused_shards(self) -> dict[str, tuple[str, int, int]]:
         """checkpoint module -> (our fused module, row offset, rows)."""
         c = self.config
-        q_size = c.num_attention_heads * c.head_dim
-        kv_size = c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
+        shard = head_shard(c)  # this rank's rows of each
+        q_size = shard.num_heads * c.head_dim
+        kv_size = shard.num_kv_heads * c.head_dim
+        _, inter = split(c.intermediate_size, "the MLP's intermediate size")
         return {
             "q_proj": ("qkv_proj", 0, q_size),
             "k_proj": ("qkv_proj", q_size, kv_size),
@@ -220,10 +231,57 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden] (e.g. each request's last token) -> [N, vocab] float32."""
-        logits = self.lm_head(hidden_states).float()
+        """hidden_states [N, hidden] (e.g. each request's last token) -> [N, vocab] float32
+        (None on ranks other than 0 of a tensor-parallel group: rank 0 samples)."""
+        logits = gather_vocab(self.lm_head(hidden_states), self.config.vocab_size)
+        if logits is None:
+            return None
+        logits = logits.float()
         scaling = self.config.logits_scaling
         return logits if scaling == 1.0 else logits / scaling
+
+    def _tp_shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (distributed/parallel.py); all of it with one
+        rank. Rows of q/k/v and gate/up (weights and biases), columns of o_proj and down_proj
+        (whose biases rank 0 alone adds), vocabulary rows of the embedding and LM head."""
+        tp = tp_group()
+        if tp.size == 1:
+            return tensor
+        c, d = self.config, self.config.head_dim
+        shard = head_shard(c)
+        *_, module, kind = ["", "", *name.split(".")]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, rows = vocab_shard(c.vocab_size)
+            out = tensor.new_zeros(rows, *tensor.shape[1:])  # the padding rows stay zero
+            part = tensor[start : start + rows]
+            out[: len(part)] = part
+            return out
+        inter = split(c.intermediate_size, "the MLP's intermediate size")
+        rows = {
+            "q_proj": (shard.q_start * d, shard.num_heads * d),
+            "k_proj": (shard.kv_start * d, shard.num_kv_heads * d),
+            "v_proj": (shard.kv_start * d, shard.num_kv_heads * d),
+            "gate_proj": inter,
+            "up_proj": inter,
+        }
+        if module in rows:
+            start, n = rows[module]
+            return tensor[start : start + n]
+        if module in ("o_proj", "down_proj"):
+            if kind == "bias":
+                return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+            start, n = (shard.q_start * d, shard.num_heads * d) if module == "o_proj" else inter
+            return tensor[:, start : start + n]
+        if module in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): shard each part
+            q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+            names, sizes = (
+                (("q_proj", "k_proj", "v_proj"), (q, kv, kv))
+                if module == "qkv_proj"
+                else (("gate_proj", "up_proj"), (c.intermediate_size,) * 2)
+            )
+            parts = zip(names, tensor.split(sizes), strict=True)
+            return torch.cat([self._tp_shard(f"x.{n}.{kind}", t) for n, t in parts])
+        return tensor
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -250,6 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # recomputed from the config
             if name == "lm_head.weight" and c.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
+            tensor = self._tp_shard(name, tensor)
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in shards:
                 fused, offset, rows = shards[parts[-2]]

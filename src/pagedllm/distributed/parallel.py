@@ -1,0 +1,111 @@
+"""This process's place in the tensor-parallel group, and how the model is split across it.
+
+Each process (rank) holds 1/N of every projection, as Megatron-LM splits a transformer: the
+query heads, and the KV heads with them (each KV head on N / kv_heads ranks when there are
+fewer KV heads than ranks); the MLP's gate/up rows and down columns; the vocabulary rows of the
+embedding and the LM head. Attention's and the MLP's outputs are partial sums, added across
+ranks by one all-reduce each; the embedding's rows of other ranks' tokens are zeros, added the
+same way; the LM head's logits are gathered to rank 0, which samples.
+
+A process is one rank for its lifetime: the group is process-wide state, set once before the
+model is built (set_tp_group), as torch.distributed's own default group is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import ModelArchConfig
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+
+_group = TPGroup()
+
+
+def tp_group() -> TPGroup:
+    return _group
+
+
+def set_tp_group(rank: int, size: int) -> None:
+    """This process is `rank` of `size` (torch.distributed initialised already when size > 1)."""
+    global _group
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a group of {size}")
+    _group = TPGroup(rank, size)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """This rank's attention heads: num_heads query heads from q_start, num_kv_heads KV heads
+    from kv_start (global head indices)."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, tp: TPGroup) -> HeadShard:
+        n = tp.size
+        if num_heads % n:
+            raise ValueError(
+                f"tensor parallel size {n} does not divide the {num_heads} attention heads"
+            )
+        if num_kv_heads % n and n % num_kv_heads:
+            raise ValueError(
+                f"tensor parallel size {n} must divide the {num_kv_heads} KV heads or be a "
+                "multiple of them"
+            )
+        heads = num_heads // n
+        if num_kv_heads >= n:
+            kv_heads = num_kv_heads // n
+            return cls(heads, kv_heads, tp.rank * heads, tp.rank * kv_heads)
+        # Fewer KV heads than ranks: this rank's query heads share one KV head, replicated.
+        return cls(heads, 1, tp.rank * heads, tp.rank * heads // (num_heads // num_kv_heads))
+
+
+def head_shard(config: ModelArchConfig) -> HeadShard:
+    return HeadShard.of(config.num_attention_heads, config.num_key_value_heads, tp_group())
+
+
+def split(n: int, what: str) -> tuple[int, int]:
+    """(start, count) of this rank's equal share of n rows of `what`."""
+    tp = tp_group()
+    if n % tp.size:
+        raise ValueError(f"tensor parallel size {tp.size} does not divide {what} ({n})")
+    count = n // tp.size
+    return tp.rank * count, count
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, int]:
+    """(start, rows) of this rank's vocabulary rows: the vocabulary padded to a multiple of the
+    group's size (the padding rows are zeros, their logits cut before sampling)."""
+    tp = tp_group()
+    rows = -(-vocab_size // tp.size)
+    return tp.rank * rows, rows
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, in place (nothing to do with one rank)."""
+    if tp_group().size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Each rank's [rows, vocab shard] logits -> [rows, vocab_size] on rank 0, None elsewhere."""
+    tp = tp_group()
+    if tp.size == 1:
+        return logits
+    logits = logits.contiguous()
+    parts = [torch.empty_like(logits) for _ in range(tp.size)] if tp.rank == 0 else None
+    dist.gather(logits, parts, dst=0)
+    return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else None
