@@ -108,6 +108,8 @@ class EngineArgs:
     allow_pickle_checkpoints: bool = False
     # Run every step through the model's PyTorch modules: no fused C++ decoder (CPU decode steps)
     enforce_eager: bool = False
+    # Ranks the model is split across (distributed/): this process and N - 1 it spawns
+    tensor_parallel_size: int = 1
     # paged | max | pow2 | oracle: the pre-paging contiguous reservations, for benchmarks only
     kv_allocation: str = "paged"
 
@@ -148,6 +150,13 @@ class EngineArgs:
             raise ValueError(
                 f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
                 f"got {self.kv_allocation!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError(
+                "--quantization with tensor parallelism is not supported yet: the quantized "
+                "kernels take whole weights"
             )
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

@@ -250,7 +250,11 @@ def test_impossible_groups_are_rejected_and_the_rest_runs_on(tiny, unconstrained
 # -- the K/V the swap copies move -----------------------------------------------------------------
 def test_swap_blocks_move_every_layer_k_and_v_and_nothing_else():
     config = SimpleNamespace(
-        num_hidden_layers=3, num_key_value_heads=2, head_dim=8, layer_sliding_window=lambda i: None
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_sliding_window=lambda i: None,
     )
     runner = ModelRunner(None, config, block_size=4, device=torch.device("cpu"),
                          dtype=torch.float32)  # fmt: skip

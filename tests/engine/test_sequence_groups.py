@@ -342,7 +342,11 @@ def test_groups_that_could_never_run_are_rejected(tiny):
 # -- the K/V that copy-on-write copies ------------------------------------------------------------
 def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
     config = SimpleNamespace(
-        num_hidden_layers=3, num_key_value_heads=2, head_dim=8, layer_sliding_window=lambda i: None
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_sliding_window=lambda i: None,
     )
     runner = ModelRunner(None, config, block_size=4, device=torch.device("cpu"),
                          dtype=torch.float32)  # fmt: skip

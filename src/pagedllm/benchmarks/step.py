@@ -11,8 +11,9 @@ Three phases on one engine, each alone (the previous phase's requests are aborte
    `--num-steps` real steps (each step advances the state the next schedule() sees).
 
 The split wraps bound methods on the engine's own instances (scheduler.schedule,
-runner.execute_model, runner._prepare_inputs, model.forward, model.compute_logits,
-runner._sample): the engine runs its real code, nothing is mocked or changed for measuring.
+runner.execute_model, runner._step_inputs and _attention_metadata, model.forward,
+model.compute_logits, runner._sample): the engine runs its real code, nothing is mocked or
+changed for measuring.
 Model FLOPs utilisation of phases 1 and 2 uses the GEMM peak measured at the end (roofline.py).
 """
 
@@ -114,7 +115,8 @@ class StepTimer:
         runner = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule", self._record_batch)
         self._wrap(runner, "execute_model", "execute_model")
-        self._wrap(runner, "_prepare_inputs", "prepare_inputs")
+        self._wrap(runner, "_step_inputs", "prepare_inputs")  # host arrays
+        self._wrap(runner, "_attention_metadata", "prepare_inputs")  # and their tensors
         self._wrap(runner.model, "forward", "forward")  # nn.Module.__call__ finds it
         self._wrap(runner.model, "compute_logits", "compute_logits")
         self._wrap(runner, "_sample", "sample")

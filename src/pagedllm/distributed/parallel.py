@@ -109,3 +109,10 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     parts = [torch.empty_like(logits) for _ in range(tp.size)] if tp.rank == 0 else None
     dist.gather(logits, parts, dst=0)
     return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else None
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (e.g. KV blocks: capacity is the least rank's)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

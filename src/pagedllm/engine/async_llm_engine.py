@@ -130,6 +130,7 @@ class AsyncLLMEngine:
         try:
             self._run()
         finally:
+            self.engine.shutdown()  # tensor-parallel workers stop with the loop
             self._loop_done.set()
 
     def _run(self) -> None:

@@ -16,6 +16,9 @@ from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.cpu_info import available_cpus, has_native_bf16
+from pagedllm.distributed import HeadShard, TPGroup
+from pagedllm.distributed.parallel import min_over_ranks
+from pagedllm.distributed.workers import TPWorkers, init_process_group
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
 from pagedllm.layers.quantization import quantize_model, weight_bytes
@@ -76,20 +79,26 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(
+        self, args: EngineArgs, tp_rank: int = 0, tp_address: tuple[str, int] | None = None
+    ) -> None:
+        """`tp_rank` / `tp_address`: for the processes a tensor-parallel engine spawns (rank 0,
+        the engine users make, spawns them; see pagedllm.distributed.workers)."""
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = _DTYPES[args.dtype] if args.dtype != "auto" else auto_dtype(self.device)
         torch.manual_seed(args.seed)
+        tp_size = args.tensor_parallel_size
+        self._threads_before = torch.get_num_threads()  # shutdown() gives a rank's share back
         if self.device.type == "cpu":
-            cores = available_cpus()
+            cores = max(1, available_cpus() // tp_size)  # each rank its share of the cores
             if torch.get_num_threads() > cores:
                 # More compute threads than cores: OpenMP's barriers wait on descheduled threads.
                 torch.set_num_threads(cores)
             logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(), cores)
 
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         loaded = load_model(
             args.model,
             args.tokenizer,
@@ -99,6 +108,27 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.tp_workers: TPWorkers | None = None
+        if tp_size > 1:
+            # The head split is checked before any process starts.
+            HeadShard.of(
+                config.num_attention_heads, config.num_key_value_heads, TPGroup(0, tp_size)
+            )
+            if tp_rank == 0:
+                self.tp_workers = TPWorkers(args, tp_size)
+                tp_address = self.tp_workers.address
+        try:
+            if tp_size > 1:
+                init_process_group(tp_rank, tp_size, tp_address, self.device)
+                logger.info("tensor parallelism: %d ranks", tp_size)
+            self._start(loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, loaded) -> None:
+        """Build the model (this rank's shard), the runner and its KV cache, the scheduler."""
+        args, config, t0 = self.args, self.model_config, self._t0
         self.attention_backend = resolve_backend_name(args.attention_backend, self.device)
         model = get_model_class(config.architecture)(
             config, attention_backend=self.attention_backend
@@ -144,6 +174,8 @@ class LLMEngine:
             self.model, config, self.block_size, self.device, self.dtype, seed=args.seed
         )
         self.num_blocks = self._num_kv_blocks()
+        if args.tensor_parallel_size > 1:  # every rank's pool holds the same block ids
+            self.num_blocks = min_over_ranks(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.num_cpu_blocks = self._num_swap_blocks()
         if self.num_cpu_blocks:
@@ -165,6 +197,12 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self._states: dict[str, _RequestState] = {}
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank); idempotent."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            torch.set_num_threads(self._threads_before)
 
     # -- start-up -----------------------------------------------------------------------------
     def _kv_cache_manager(self) -> KVCacheManager | ContiguousKVCacheManager:
@@ -427,6 +465,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return an output for every request that advanced
         (requests with best_of > n or beam search only once they finish)."""
+        if self.tp_workers is not None and (why := self.tp_workers.dead()):
+            raise RuntimeError(f"{why}: the engine cannot step")
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.preempted_request_ids:
             self._warn_preemption()

@@ -30,13 +30,15 @@ _ENGINE_FLAGS = {
     "--swap-space": (float, "GiB of CPU memory for swapped-out KV blocks (swap mode; at most "
                             "the KV cache's size)"),
     "--attention-backend": (str, "auto | cpu | sdpa | torch"),
+    "--tensor-parallel-size": (int, "split the model across this many processes (torch."
+                                    "distributed: gloo on CPU, NCCL on CUDA)"),
     "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "
                             "memory (CPU kernels; GGUF Q4 / Q8_0 blocks taken as they are)"),
     "--kv-allocation": (str, "paged | max | pow2 | oracle: paged blocks, or one contiguous "
                              "region per request sized as pre-paging systems did (benchmarks "
                              "only)"),
 }  # fmt: skip
-_SHORT_FLAGS = {"--quantization": "-q"}
+_SHORT_FLAGS = {"--quantization": "-q", "--tensor-parallel-size": "-tp"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,10 @@ class LLM:
             )
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -12,6 +12,8 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.distributed import head_shard, step_channel, tp_group
+from pagedllm.distributed.step_channel import StepInputs
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
@@ -20,8 +22,16 @@ from pagedllm.sample.sampler import Sampler, beam_candidates, gather_logprobs
 logger = logging.getLogger(__name__)
 
 
+def _pairs(moves: list[tuple[int, int]]) -> np.ndarray:
+    return np.asarray(moves, dtype=np.int64).reshape(-1, 2)
+
+
 def kv_cache_spec(config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """This rank's KV cache (its share of the KV heads with tensor parallelism)."""
     element_size = torch.empty((), dtype=dtype).element_size()
+    heads = head_shard(config).num_kv_heads
+    if heads != config.num_key_value_heads:
+        config = dataclasses.replace(config, num_key_value_heads=heads)
     return KVCacheSpec.from_config(config, block_size, element_size)
 
 
@@ -48,13 +58,15 @@ class ModelRunner:
         self.swap_pool: torch.Tensor | None = None  # host memory, the same layout as kv_pool
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_kv_heads = head_shard(config).num_kv_heads
+        self.tp_size = tp_group().size  # rank 0 sends each step to the others (step_channel)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One preallocated pool [group_size, 2, num_blocks, block_size, kvh, d]: each layer's K
         and V are the [num_blocks, block_size, kvh, d] tensors of its slot (kv_cache_spec.py);
         without sliding windows there is one group and slot i is layer i."""
         c, spec = self.config, self.kv_cache_spec
-        shape = (spec.group_size, 2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (spec.group_size, 2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_pool = pool
         slots = spec.layer_slots()
@@ -112,8 +124,15 @@ class ModelRunner:
         self.model.compute_logits(hidden[: min(num_logits, num_tokens)])
         self.kv_caches, self.kv_pool = saved
 
-    def _prepare_inputs(self, so: SchedulerOutput):
+    def _step_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list[Request], np.ndarray]:
+        """The step as host arrays (what the other ranks of a tensor-parallel group receive),
+        the requests to sample, and the rows of their logits."""
+        moves = [_pairs(so.blocks_to_swap_out), _pairs(so.blocks_to_swap_in),
+                 _pairs(so.blocks_to_copy)]  # fmt: skip
         reqs = so.scheduled_requests
+        if not reqs:
+            empty = np.empty(0, np.int64)
+            return StepInputs(*moves, empty, empty, empty, empty, empty, []), [], empty
         num_scheduled = np.array([so.num_scheduled_tokens[r.seq_id] for r in reqs], np.int64)
         num_computed = np.array([r.num_computed_tokens for r in reqs], np.int64)
         query_start_loc = np.zeros(len(reqs) + 1, np.int64)
@@ -142,12 +161,45 @@ class ModelRunner:
 
         sample_rows = [i for i, r in enumerate(reqs) if so.needs_sample(r)]
         logits_indices = query_start_loc[1:][sample_rows] - 1
+        step = StepInputs(*moves, input_ids, positions, req_index, num_scheduled, seq_lens,
+                          block_tables)  # fmt: skip
+        return step, [reqs[i] for i in sample_rows], logits_indices
 
-        dev = self.device
-        meta = self._attention_metadata(block_tables, positions, req_index, num_scheduled, seq_lens)
-        input_ids_t = torch.from_numpy(input_ids).to(dev)
-        positions_t = torch.from_numpy(positions).to(dev)
-        return input_ids_t, positions_t, meta, [reqs[i] for i in sample_rows], logits_indices
+    def _run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Block moves first, before any layer writes this step's K/V; then the forward pass
+        (hidden states [T, hidden], or None without tokens)."""
+        if len(step.swap_out) or len(step.swap_in):
+            self.swap_blocks(step.swap_out.tolist(), step.swap_in.tolist())
+        if len(step.copies):
+            self.copy_blocks(step.copies.tolist())
+        if not len(step.input_ids):
+            return None
+        meta = self._attention_metadata(
+            step.block_tables, step.positions, step.req_index, step.query_lens, step.seq_lens
+        )
+        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+        positions = torch.from_numpy(step.positions).to(self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor | None:
+        """The logits of hidden's `rows` (on rank 0; the other ranks compute their shards)."""
+        rows = np.asarray(rows, np.int64)
+        if self.tp_size > 1:
+            step_channel.send_logits(rows)
+        return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+
+    @torch.inference_mode()
+    def run_worker(self) -> None:
+        """Ranks other than 0: replay rank 0's steps until it says shutdown."""
+        hidden = None
+        while True:
+            kind, what = step_channel.receive()
+            if kind == step_channel.SHUTDOWN:
+                return
+            if kind == step_channel.STEP:
+                hidden = self._run_step(what)
+            else:
+                self.model.compute_logits(hidden[torch.from_numpy(what).to(self.device)])
 
     def _attention_metadata(self, block_tables, positions, req_index, query_lens, seq_lens):
         """The batch's metadata: one per KV cache group when there are several (slots come from
@@ -178,20 +230,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # Block moves first, before any layer writes this step's K/V.
-        if so.blocks_to_swap_out or so.blocks_to_swap_in:
-            self.swap_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
-        if so.blocks_to_copy:
-            self.copy_blocks(so.blocks_to_copy)
-        if not so.scheduled_requests:
+        step, sample_reqs, logits_indices = self._step_inputs(so)
+        if self.tp_size > 1:
+            step_channel.send_step(step)
+        hidden = self._run_step(step)
+        if hidden is None:
             return ModelRunnerOutput({})
-        input_ids, positions, meta, sample_reqs, logits_indices = self._prepare_inputs(so)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
         output = ModelRunnerOutput({})
         self._prompt_logprobs(so, hidden, output)
         if not sample_reqs:
             return output
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        logits = self._logits(hidden, logits_indices)
         beam_rows = [i for i, r in enumerate(sample_reqs) if r.group.is_beam_search]
         if beam_rows:
             self._beam_candidates(logits, [sample_reqs[i] for i in beam_rows], beam_rows, output)
@@ -233,7 +282,7 @@ class ModelRunner:
             start += n
         if not rows:
             return
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self._logits(hidden, rows)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         k = max(r.sampling_params.prompt_logprobs for r, _ in owners)
         ids, lps, ranks = gather_logprobs(logprobs, k, torch.tensor(targets, device=self.device))

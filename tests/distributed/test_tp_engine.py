@@ -1,0 +1,103 @@
+"""The engine with --tensor-parallel-size 2 (this process and one worker it spawns, over gloo)
+against one rank: the same greedy tokens with sharing, prefix caching and swap preemption, the
+same log-probabilities to float32 tolerance; the KV pool split by heads with the same block
+ids; clear errors; a dead worker stops the engine; shutdown leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed import tp_group
+from tests.conftest import save_tiny_llama
+
+PROMPTS = [[5, 9, 3], [17, 4, 88, 23, 6, 70, 11, 42, 9, 1, 66], [100], list(range(10, 40))]
+ENGINE = dict(dtype="float32", kv_cache_memory="8MiB")
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["kv_heads2", "kv_heads1"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_llama(path, seed=5, num_key_value_heads=request.param)
+    return str(path)
+
+
+def generate(llm):
+    sampling = [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.8, n=3, seed=7, max_tokens=12, ignore_eos=True),  # forks
+    ]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[5, 9, 3, 7, 7]]]
+    outs = llm.generate(prompts, [sampling[0]] * 4 + [sampling[1]], use_tqdm=False)
+    llm.llm_engine.scheduler.check_integrity()
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def assert_same(tp2, tp1):
+    for a, b in zip(tp2, tp1, strict=True):
+        for (tokens_a, lps_a), (tokens_b, lps_b) in zip(a, b, strict=True):
+            assert tokens_a == tokens_b
+            for step_a, step_b in zip(lps_a or [], lps_b or [], strict=True):
+                assert step_a.keys() == step_b.keys()
+                for t in step_a:
+                    assert step_a[t].logprob == pytest.approx(step_b[t].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{}, dict(preemption_mode="swap", num_gpu_blocks_override=16, block_size=4, max_model_len=64)],
+    ids=["default", "swap_preemption"],
+)
+def test_two_ranks_give_one_ranks_outputs(checkpoint, engine):
+    single = LLM(model=checkpoint, **{**ENGINE, **engine})
+    threads = torch.get_num_threads()
+    expected = generate(single)
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, **{**ENGINE, **engine})
+    try:
+        runner = llm.llm_engine.runner
+        assert tp_group().size == 2 and runner.tp_size == 2
+        assert runner.num_kv_heads == max(1, single.llm_engine.runner.num_kv_heads // 2)
+        # Half the KV heads on each rank (unless one is replicated): twice the blocks in the
+        # same memory; the override fixes the count.
+        ratio = single.llm_engine.runner.num_kv_heads // runner.num_kv_heads
+        assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks * (1 if engine else ratio)
+        got = generate(llm)
+        assert_same(got, expected)
+        assert_same(generate(llm), expected)  # again, now from the prefix cache
+        if engine:
+            assert llm.llm_engine.scheduler.num_preemptions_total > 0
+            assert runner.num_swapped_out_blocks > 0
+        procs = llm.llm_engine.tp_workers.procs
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+    assert tp_group().size == 1
+    assert torch.get_num_threads() == threads  # rank 0's share of the cores, given back
+
+
+def test_a_dead_worker_stops_the_engine(checkpoint):
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, **ENGINE)
+    procs = llm.llm_engine.tp_workers.procs
+    try:
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+        with pytest.raises(RuntimeError, match="worker rank 1 exited"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_head_split_is_checked_before_starting(checkpoint):
+    with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
+        LLM(model=checkpoint, tensor_parallel_size=3, **ENGINE)
+    assert tp_group().size == 1
+
+
+def test_quantization_is_refused():
+    with pytest.raises(ValueError, match="--quantization with tensor parallelism"):
+        LLM(tensor_parallel_size=2, quantization="int4")
