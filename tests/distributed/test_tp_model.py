@@ -60,8 +60,9 @@ def reference_logits(checkpoint, dtype=torch.float32):
         dict(num_key_value_heads=1),  # fewer KV heads than ranks: replicated
         dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True, vocab_size=127,
              tie_word_embeddings=True),  # biases rank 0 adds once; a padded, tied vocabulary
+        dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),  # 2 KV heads and 1
     ],
-    ids=["kv2", "kv1", "bias_tied_odd_vocab"],
+    ids=["kv2", "kv1", "bias_tied_odd_vocab", "uneven_kv3"],
 )  # fmt: skip
 def test_two_ranks_match_one(tmp_path, overrides):
     checkpoint = tmp_path / "ckpt"
@@ -72,6 +73,8 @@ def test_two_ranks_match_one(tmp_path, overrides):
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
         assert torch.equal(g.argmax(-1), e.argmax(-1))
+    if overrides["num_key_value_heads"] == 3:
+        return  # an uneven split: the counts are not halves
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     embedding = 64 * overrides.get("vocab_size", 128)
     tied = overrides.get("tie_word_embeddings", False)
@@ -98,18 +101,25 @@ def test_four_ranks_share_two_kv_heads(tmp_path):
 
 @pytest.mark.parametrize(
     "heads, kv_heads, size, message",
-    [(4, 2, 3, "does not divide the 4 attention heads"), (6, 4, 2, None),
-     (8, 4, 8, None), (12, 4, 6, "must divide the 4 KV heads or be a multiple")],
+    [(9, 3, 2, None), (6, 3, 2, None), (8, 4, 8, None), (32, 8, 3, None), (8, 1, 4, None),
+     (4, 2, 3, "cannot split 4 attention heads with 2 KV heads"),
+     (12, 4, 6, "must be a multiple of the KV heads"), (4, 1, 3, "divide the attention heads")],
 )  # fmt: skip
-def test_head_split_errors(heads, kv_heads, size, message):
+def test_head_split(heads, kv_heads, size, message):
     from pagedllm.distributed import HeadShard, TPGroup
 
-    if message is None:
-        shards = [HeadShard.of(heads, kv_heads, TPGroup(r, size)) for r in range(size)]
-        group = heads // kv_heads
-        for s in shards:  # every query head of a rank maps to the rank's KV heads
-            first_kv = s.q_start // group
-            assert s.kv_start <= first_kv < s.kv_start + s.num_kv_heads
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            HeadShard.of(heads, kv_heads, TPGroup(0, size))
         return
-    with pytest.raises(ValueError, match=message):
-        HeadShard.of(heads, kv_heads, TPGroup(0, size))
+    shards = [HeadShard.of(heads, kv_heads, TPGroup(r, size)) for r in range(size)]
+    group = heads // kv_heads
+    # Every query head on exactly one rank, with its own KV head on that rank.
+    assert sorted(h for s in shards for h in range(s.q_start, s.q_start + s.num_heads)) == list(
+        range(heads)
+    )
+    for s in shards:
+        for h in range(s.q_start, s.q_start + s.num_heads):
+            assert s.kv_start <= h // group < s.kv_start + s.num_kv_heads
+        assert s.num_heads == s.num_kv_heads * group or s.num_kv_heads == 1
+    assert max(s.num_heads for s in shards) - min(s.num_heads for s in shards) <= group

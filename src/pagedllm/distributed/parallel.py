@@ -1,11 +1,12 @@
 """This process's place in the tensor-parallel group, and how the model is split across it.
 
-Each process (rank) holds 1/N of every projection, as Megatron-LM splits a transformer: the
-query heads, and the KV heads with them (each KV head on N / kv_heads ranks when there are
-fewer KV heads than ranks); the MLP's gate/up rows and down columns; the vocabulary rows of the
-embedding and the LM head. Attention's and the MLP's outputs are partial sums, added across
-ranks by one all-reduce each; the embedding's rows of other ranks' tokens are zeros, added the
-same way; the LM head's logits are gathered to rank 0, which samples.
+Each process (rank) holds about 1/N of every projection, as Megatron-LM splits a transformer:
+the KV heads with their query heads (as evenly as whole GQA groups split; each KV head on
+N / kv_heads ranks when there are fewer KV heads than ranks); the MLP's gate/up rows and down
+columns; the vocabulary rows of the embedding and the LM head. Attention's and the MLP's
+outputs are partial sums, added across ranks by one all-reduce each; the embedding's rows of
+other ranks' tokens are zeros, added the same way; the LM head's logits are gathered to rank
+0, which samples.
 
 A process is one rank for its lifetime: the group is process-wide state, set once before the
 model is built (set_tp_group), as torch.distributed's own default group is.
@@ -54,22 +55,25 @@ class HeadShard:
 
     @classmethod
     def of(cls, num_heads: int, num_kv_heads: int, tp: TPGroup) -> HeadShard:
-        n = tp.size
-        if num_heads % n:
+        """Query heads go with their KV head (GQA), in whole groups: each rank takes a
+        contiguous run of KV heads, as even as they split (the default model's 3 over 2 ranks:
+        2 and 1); with fewer KV heads than ranks, each is replicated on N / kv_heads ranks,
+        which split its query heads evenly."""
+        n, group = tp.size, num_heads // num_kv_heads
+        if num_kv_heads >= n:
+            base, extra = divmod(num_kv_heads, n)
+            kv_heads = base + (tp.rank < extra)
+            kv_start = tp.rank * base + min(tp.rank, extra)
+            return cls(kv_heads * group, kv_heads, kv_start * group, kv_start)
+        if n % num_kv_heads or num_heads % n:
             raise ValueError(
-                f"tensor parallel size {n} does not divide the {num_heads} attention heads"
-            )
-        if num_kv_heads % n and n % num_kv_heads:
-            raise ValueError(
-                f"tensor parallel size {n} must divide the {num_kv_heads} KV heads or be a "
-                "multiple of them"
+                f"tensor parallel size {n} cannot split {num_heads} attention heads with "
+                f"{num_kv_heads} KV heads: with more ranks than KV heads, the ranks must be a "
+                "multiple of the KV heads and divide the attention heads"
             )
         heads = num_heads // n
-        if num_kv_heads >= n:
-            kv_heads = num_kv_heads // n
-            return cls(heads, kv_heads, tp.rank * heads, tp.rank * kv_heads)
-        # Fewer KV heads than ranks: this rank's query heads share one KV head, replicated.
-        return cls(heads, 1, tp.rank * heads, tp.rank * heads // (num_heads // num_kv_heads))
+        # This rank's query heads share one KV head, replicated.
+        return cls(heads, 1, tp.rank * heads, tp.rank * heads // group)
 
 
 def head_shard(config: ModelArchConfig) -> HeadShard:

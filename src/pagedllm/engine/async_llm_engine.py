@@ -165,6 +165,7 @@ class AsyncLLMEngine:
                 command = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 if block and not self._stopping:
+                    engine.check_workers()  # idle: a dead worker still stops the loop (/health)
                     continue
                 return not self._stopping
             block = False

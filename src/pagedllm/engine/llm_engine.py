@@ -198,6 +198,11 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._request_counter = itertools.count()
 
+    def check_workers(self) -> None:
+        """Raise if a tensor-parallel worker has exited: the engine cannot step without it."""
+        if self.tp_workers is not None and (why := self.tp_workers.dead()):
+            raise RuntimeError(f"{why}: the engine cannot step")
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank); idempotent."""
         if self.tp_workers is not None:
@@ -465,8 +470,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return an output for every request that advanced
         (requests with best_of > n or beam search only once they finish)."""
-        if self.tp_workers is not None and (why := self.tp_workers.dead()):
-            raise RuntimeError(f"{why}: the engine cannot step")
+        self.check_workers()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.preempted_request_ids:
             self._warn_preemption()

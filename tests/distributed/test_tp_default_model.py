@@ -1,0 +1,139 @@
+"""Tensor parallelism on the default model (9 query heads, 3 KV heads: ranks of 2 and 1 KV
+heads): greedy output of 2 ranks equal to one rank's (float32), and `pagedllm serve -tp 2`
+answering the real openai client, reporting a dead worker on /health, and leaving no process
+behind when it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+TIMEOUT = 180
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens():
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(dtype="float32", tensor_parallel_size=tp, kv_cache_memory="64MiB",
+                  max_model_len=512)  # fmt: skip
+        try:
+            outs[tp] = llm.generate(PROMPTS, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    for one, two in zip(outs[1], outs[2], strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _workers(pid: int) -> list[int]:
+    """The server's spawned ranks (not multiprocessing's resource tracker)."""
+    found = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(child)
+    return found
+
+
+def _serve(*flags):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+         "--max-model-len", "512", "--kv-cache-memory", "64MiB", "-tp", "2", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + TIMEOUT
+    while True:
+        assert proc.poll() is None, "".join(lines)
+        assert time.time() < deadline, "".join(lines)
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url, lines
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_server_answers_and_stops_cleanly():
+    from openai import OpenAI
+
+    proc, url, lines = _serve()
+    try:
+        workers = _workers(proc.pid)
+        assert len(workers) == 1
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT)
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16,
+            temperature=0,
+        )  # fmt: skip
+        assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+        assert "tensor parallelism: 2 ranks" in "".join(lines)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert "server stopped" in "".join(lines)
+    assert not any(_alive(p) for p in workers + _children(proc.pid))
+
+
+def test_health_reports_a_dead_worker():
+    proc, url, lines = _serve()
+    try:
+        (worker,) = _workers(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.time() + 30
+        while httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            assert time.time() < deadline, "".join(lines)
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code >= 500 and "worker rank 1 exited" in r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert not any(_alive(p) for p in _children(proc.pid))
