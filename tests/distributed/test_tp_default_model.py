@@ -137,3 +137,25 @@ def test_health_reports_a_dead_worker():
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert not any(_alive(p) for p in _children(proc.pid))
+
+
+def test_torchrun_starts_every_rank():
+    """A multi-node launch, on one node: torchrun starts both ranks with its rendezvous
+    environment; rank 1 serves rank 0's steps and exits when rank 0 is done."""
+    args = ["generate", "Name a colour.", "--max-tokens", "12", "--dtype", "float32",
+            "--max-model-len", "256", "--kv-cache-memory", "32MiB"]  # fmt: skip
+    cli = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+    single = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "pagedllm.entrypoints.cli", *args, "-tp", "2"],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stdout == single.stdout and single.stdout.strip()
+    assert "tensor parallelism: 2 ranks" in launched.stderr

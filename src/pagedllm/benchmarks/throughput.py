@@ -38,6 +38,7 @@ from pagedllm.benchmarks.workload import (
     workload_from_tokenizer,
 )
 from pagedllm.config import EngineArgs
+from pagedllm.distributed.parallel import COMM_BYTES
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -133,8 +134,25 @@ class KVUsageTracker:
         }
 
 
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's live children (tensor-parallel ranks: part of the run)."""
+    total, me = 0, str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # ppid; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_counters() -> tuple[float, float, float] | None:
-    """(busy CPU seconds of the whole machine, this process's CPU seconds, wall seconds)."""
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children,
+    wall seconds)."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -143,7 +161,7 @@ def cpu_counters() -> tuple[float, float, float] | None:
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
     own = os.times()
-    return busy, own.user + own.system, time.perf_counter()
+    return busy, own.user + own.system + _children_cpu_seconds(), time.perf_counter()
 
 
 def others_cpu_share(before, after) -> float | None:
@@ -192,6 +210,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     outputs: dict[str, list[int]] = {}
     ids = []
     num_steps = 0
+    comm_before = dict(COMM_BYTES)
     cpu_before = cpu_counters()
     start = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
@@ -211,6 +230,10 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
         **speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
         "num_steps": num_steps,
         "num_preemptions": getattr(scheduler, "num_preemptions_total", None),
+        # tensor parallelism: bytes rank 0 passed to collectives, per step, by kind
+        "comm_bytes_per_step": {
+            k: (v - comm_before.get(k, 0)) / max(num_steps, 1) for k, v in COMM_BYTES.items()
+        },
         "others_cpu_share": others,
         "kv_cache": {
             "block_size": kv.block_size,
@@ -527,6 +550,13 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             f"warning: pagedllm generated {paged['num_useful_output_tokens']} useful tokens, "
             f"expected {num_out}",
             file=sys.stderr,
+        )
+    if engine.args.tensor_parallel_size > 1:
+        comm = paged["comm_bytes_per_step"]
+        print(
+            f"[pagedllm] tensor parallelism: {engine.args.tensor_parallel_size} ranks; per step, "
+            "rank 0's tensors in collectives: "
+            + ", ".join(f"{kind} {b / 1024:.1f} KiB" for kind, b in sorted(comm.items()))
         )
     # MFU: the peak is measured now, after the run, in the dtype the engine ran in.
     peak = roofline.measure_gemm_peak(engine.dtype, device=engine.device)

@@ -14,6 +14,7 @@ model is built (set_tp_group), as torch.distributed's own default group is.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ class TPGroup:
 
 
 _group = TPGroup()
+# Bytes of the tensors this rank passed to each kind of collective (the communication volume
+# `bench throughput -tp N` reports per step; what goes on the wire depends on the algorithm).
+COMM_BYTES: Counter[str] = Counter()
 
 
 def tp_group() -> TPGroup:
@@ -101,6 +105,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks, in place (nothing to do with one rank)."""
     if tp_group().size > 1:
         dist.all_reduce(x)
+        COMM_BYTES["all_reduce"] += x.numel() * x.element_size()
     return x
 
 
@@ -112,11 +117,12 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     logits = logits.contiguous()
     parts = [torch.empty_like(logits) for _ in range(tp.size)] if tp.rank == 0 else None
     dist.gather(logits, parts, dst=0)
+    COMM_BYTES["gather"] += logits.numel() * logits.element_size() * (tp.size - 1)
     return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else None
 
 
 def min_over_ranks(value: int) -> int:
     """The smallest of every rank's `value` (e.g. KV blocks: capacity is the least rank's)."""
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # once, at start-up: not counted
     return int(t.item())

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pagedllm.distributed.parallel import COMM_BYTES
+
 STEP, LOGITS, SHUTDOWN = 1, 2, 3
 HEADER = 16  # kind, 7 sizes, up to 8 KV cache groups' table widths
 
@@ -39,6 +41,7 @@ def _broadcast(header: list[int], payload: np.ndarray) -> None:
     head = torch.zeros(HEADER, dtype=torch.int64)
     head[: len(header)] = torch.tensor(header)
     dist.broadcast(head, src=0)
+    COMM_BYTES["broadcast"] += head.nbytes + payload.size * 8
     if payload.size:
         dist.broadcast(torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64)), src=0)
 

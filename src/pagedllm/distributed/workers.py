@@ -9,7 +9,6 @@ rank 0 checks them before every step, and a collective with a dead peer fails.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import multiprocessing as mp
@@ -37,16 +36,28 @@ def address_from_env() -> tuple[str, int]:
     return addr, int(port)
 
 
-def init_process_group(rank: int, size: int, address: tuple[str, int], device) -> None:
-    """Join the group as `rank` (every rank calls this; it returns once all have). Connecting
-    waits CONNECT_TIMEOUT; the collectives after it wait as long as rank 0 stays idle."""
+def launched_rank() -> int | None:
+    """This process's rank when a launcher started every rank (torchrun sets RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT), else None (rank 0 spawns the others)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def init_process_group(rank: int, size: int, address: tuple[str, int] | None, device) -> None:
+    """Join the group as `rank` (every rank calls this; it returns once all have): at
+    `address`, or where the launcher's environment says (None). Connecting to an address waits
+    CONNECT_TIMEOUT; the collectives after it wait as long as rank 0 stays idle."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    host, port = address
+    host, port = address or (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     try:
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=CONNECT_TIMEOUT)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT
-        )
+        if address is None:  # torchrun's rendezvous (its agent's store)
+            dist.init_process_group(backend, init_method="env://", timeout=IDLE_TIMEOUT)
+        else:
+            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=CONNECT_TIMEOUT)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT
+            )
     except Exception as e:  # noqa: BLE001 - name what to check, keep torch's message
         raise RuntimeError(
             f"tensor parallelism: torch.distributed ({backend}) could not connect rank {rank} of "
@@ -57,13 +68,22 @@ def init_process_group(rank: int, size: int, address: tuple[str, int], device) -
     set_tp_group(rank, size)
 
 
-def _worker_main(rank: int, size: int, args, address: tuple[str, int]) -> None:
+def run_worker(args, rank: int, address: tuple[str, int] | None = None) -> None:
+    """Ranks 1..N-1: build this rank's engine, replay rank 0's steps until it says shutdown.
+    The target of the processes rank 0 spawns, and what `pagedllm` runs on a rank > 0 that
+    torchrun started."""
     from pagedllm.engine.llm_engine import LLMEngine
 
     logging.getLogger("pagedllm").setLevel(logging.WARNING)  # rank 0 logs for all
     engine = LLMEngine(args, tp_rank=rank, tp_address=address)
-    engine.runner.run_worker()
-    dist.destroy_process_group()
+    try:
+        engine.runner.run_worker()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_main(rank: int, size: int, args, address: tuple[str, int]) -> None:
+    run_worker(args, rank, address)
 
 
 class TPWorkers:
@@ -74,7 +94,7 @@ class TPWorkers:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
         self.procs = [
             ctx.Process(
-                target=_worker_main,
+                target=_spawned_main,
                 args=(rank, size, args, self.address),
                 name=f"pagedllm-tp{rank}",
                 daemon=True,
@@ -84,7 +104,6 @@ class TPWorkers:
         for p in self.procs:
             p.start()
         self._closed = False
-        atexit.register(self.shutdown)
 
     def dead(self) -> str | None:
         """Why the group is broken (a worker exited), or None."""
@@ -98,20 +117,29 @@ class TPWorkers:
         if self._closed:
             return
         self._closed = True
-        if dist.is_initialized() and self.dead() is None:
-            from pagedllm.distributed import step_channel
-
-            try:
-                step_channel.send_shutdown()
-            except RuntimeError as e:  # a worker died meanwhile
-                logger.warning("tensor parallelism: shutdown message failed: %s", e)
+        if self.dead() is None:
+            stop_workers()
         for p in self.procs:
             p.join(timeout)
         for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        set_tp_group(0, 1)
-        atexit.unregister(self.shutdown)
+        leave_group()
+
+
+def stop_workers() -> None:
+    """Rank 0: tell the other ranks to stop (they leave the group and exit)."""
+    from pagedllm.distributed import step_channel
+
+    if dist.is_initialized():
+        try:
+            step_channel.send_shutdown()
+        except RuntimeError as e:  # a worker died meanwhile
+            logger.warning("tensor parallelism: shutdown message failed: %s", e)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tp_group(0, 1)

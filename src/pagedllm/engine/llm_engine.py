@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +20,13 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.cpu_info import available_cpus, has_native_bf16
 from pagedllm.distributed import HeadShard, TPGroup
 from pagedllm.distributed.parallel import min_over_ranks
-from pagedllm.distributed.workers import TPWorkers, init_process_group
+from pagedllm.distributed.workers import (
+    TPWorkers,
+    init_process_group,
+    launched_rank,
+    leave_group,
+    stop_workers,
+)
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
 from pagedllm.layers.quantization import quantize_model, weight_bytes
@@ -92,7 +100,8 @@ class LLMEngine:
         tp_size = args.tensor_parallel_size
         self._threads_before = torch.get_num_threads()  # shutdown() gives a rank's share back
         if self.device.type == "cpu":
-            cores = max(1, available_cpus() // tp_size)  # each rank its share of the cores
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))  # torchrun sets it
+            cores = max(1, available_cpus() // ranks_here)  # each rank its share of the cores
             if torch.get_num_threads() > cores:
                 # More compute threads than cores: OpenMP's barriers wait on descheduled threads.
                 torch.set_num_threads(cores)
@@ -109,14 +118,27 @@ class LLMEngine:
         self.model_config = config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.tp_workers: TPWorkers | None = None
+        self._tp_driver = False  # rank 0 of a group: shutdown() stops the others
+        launched = launched_rank()
         if tp_size > 1:
             # The head split is checked before any process starts.
             HeadShard.of(
                 config.num_attention_heads, config.num_key_value_heads, TPGroup(0, tp_size)
             )
-            if tp_rank == 0:
+            if launched is not None:  # torchrun started every rank
+                world = int(os.environ["WORLD_SIZE"])
+                if world != tp_size:
+                    raise ValueError(
+                        f"--tensor-parallel-size {tp_size}, but the launcher started {world} "
+                        "ranks (WORLD_SIZE): they must be equal"
+                    )
+                tp_rank, tp_address = launched, None
+            elif tp_rank == 0:
                 self.tp_workers = TPWorkers(args, tp_size)
                 tp_address = self.tp_workers.address
+            self._tp_driver = tp_rank == 0
+            if self._tp_driver:
+                atexit.register(self.shutdown)
         try:
             if tp_size > 1:
                 init_process_group(tp_rank, tp_size, tp_address, self.device)
@@ -204,10 +226,18 @@ class LLMEngine:
             raise RuntimeError(f"{why}: the engine cannot step")
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one rank); idempotent."""
+        """Rank 0 of a tensor-parallel group: stop the other ranks (and join those it spawned);
+        nothing to do on one rank. Idempotent; also run at exit."""
+        if not self._tp_driver:
+            return
+        self._tp_driver = False
+        atexit.unregister(self.shutdown)
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
-            torch.set_num_threads(self._threads_before)
+        else:
+            stop_workers()
+            leave_group()
+        torch.set_num_threads(self._threads_before)
 
     # -- start-up -----------------------------------------------------------------------------
     def _kv_cache_manager(self) -> KVCacheManager | ContiguousKVCacheManager:
