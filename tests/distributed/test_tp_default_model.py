@@ -114,6 +114,10 @@ def test_server_answers_and_stops_cleanly():
         )  # fmt: skip
         assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
         assert "tensor parallelism: 2 ranks" in "".join(lines)
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text  # counted on rank 0
+        generated = [line for line in metrics.splitlines()
+                     if line.startswith("pagedllm:generation_tokens_total")]  # fmt: skip
+        assert generated and float(generated[0].split()[-1]) >= chat.usage.completion_tokens
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

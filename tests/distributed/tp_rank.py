@@ -36,7 +36,7 @@ def main(checkpoint: str, out_dir: str, dtype: str) -> None:
     dist.init_process_group("gloo")  # env://
     rank, size = dist.get_rank(), dist.get_world_size()
     set_tp_group(rank, size)
-    loaded = load_hf_dir(checkpoint)
+    loaded = load_hf_dir(checkpoint, lazy=True)  # one tensor at a time, as the engine loads
     model = get_model_class(loaded.config.architecture)(loaded.config, "cpu")
     model.load_weights(loaded.weights)
     model = model.to(getattr(torch, dtype)).eval()

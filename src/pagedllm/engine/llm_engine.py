@@ -113,6 +113,7 @@ class LLMEngine:
             args.tokenizer,
             keep_codes=args.quantization != "none",
             allow_pickle=args.allow_pickle_checkpoints,
+            lazy=tp_size > 1,  # each rank keeps its slices only
         )
         self.model_name = loaded.name
         self.model_config = config = loaded.config

@@ -16,6 +16,7 @@ subtract it again, since the model takes HF's weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -30,7 +31,7 @@ from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
 from pagedllm.model_loader.gguf_codes import CODE_TYPES, codes_from_gguf
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
-from pagedllm.model_loader.loaded_model import LoadedModel
+from pagedllm.model_loader.loaded_model import LazyWeights, LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 from pagedllm.models.registry import architecture_from_gguf
 
@@ -320,18 +321,46 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
     return tokenizer_from_gguf_metadata(tok_meta)
 
 
-def load_gguf(path: str | os.PathLike, keep_codes: bool = False) -> LoadedModel:
+def load_gguf(path: str | os.PathLike, keep_codes: bool = False, lazy: bool = False) -> LoadedModel:
     """Read a GGUF file: config, float32 weights with HF names, and its tokenizer.
 
     keep_codes: also keep the Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as int4 / int8 codes, for
     `--quantization` to use exactly as stored (they are dequantized all the same, as the float
-    model is loaded first)."""
+    model is loaded first). lazy: weights dequantized one at a time as the model takes them
+    (LazyWeights), not all at once."""
     reader = open_gguf(path)
     with _naming(path):
-        return _load_gguf(path, reader, keep_codes)
+        return _load_gguf(path, reader, keep_codes, lazy)
 
 
-def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool) -> LoadedModel:
+def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
+    """One tensor, dequantized to float32 and in HF's layout."""
+    try:
+        # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
+        array = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
+            "cannot dequantize"
+        ) from e
+    except _CORRUPT as e:
+        raise ValueError(f"tensor {t.name} cannot be read: {type(e).__name__}: {e}") from e
+    proj = name.split(".")[-2]
+    if proj in heads:
+        rows = array.shape[0] if array.ndim == 2 else 0
+        if rows % (2 * heads[proj]):
+            raise ValueError(
+                f"tensor {t.name} has shape {tuple(array.shape)}: its {rows} rows do not "
+                f"split into {heads[proj]} heads of (pairs of) rotary dimensions"
+            )
+        array = unpermute_from_gguf(array, heads[proj])
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        array = array - 1.0  # the converter stored 1 + w
+    # F32 tensors are views of the read-only memory map: copy those (and only those).
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+
+def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool, lazy: bool) -> LoadedModel:
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
@@ -340,40 +369,19 @@ def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool) -> LoadedModel:
     if arch not in _PERMUTED_QK_ARCHS:
         heads = {}  # NEOX-RoPE archs: q/k rows are stored in HF's order
 
-    weights: dict[str, torch.Tensor] = {}
-    quant_codes = {}
+    readers, quant_codes = {}, {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
-        try:
-            # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
-            array = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(
-                f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
-                "cannot dequantize"
-            ) from e
-        except _CORRUPT as e:
-            raise ValueError(f"tensor {t.name} cannot be read: {type(e).__name__}: {e}") from e
+        readers[name] = functools.partial(_read_tensor, t, name, arch, heads)
         proj = name.split(".")[-2]
-        if proj in heads:
-            rows = array.shape[0] if array.ndim == 2 else 0
-            if rows % (2 * heads[proj]):
-                raise ValueError(
-                    f"tensor {t.name} has shape {tuple(array.shape)}: its {rows} rows do not "
-                    f"split into {heads[proj]} heads of (pairs of) rotary dimensions"
-                )
-            array = unpermute_from_gguf(array, heads[proj])
         if keep_codes and t.tensor_type in CODE_TYPES:
             raw = t.data.view(np.ndarray)
             if proj in heads:  # a row permutation: it moves raw rows of blocks just as well
                 raw = unpermute_from_gguf(raw, heads[proj])
             quant_codes[name] = codes_from_gguf(raw, t.tensor_type)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            array = array - 1.0  # the converter stored 1 + w
-        # F32 tensors are views of the read-only memory map: copy those (and only those).
-        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    weights = LazyWeights(readers) if lazy else {name: read() for name, read in readers.items()}
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")
     return LoadedModel(

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
 import tokenizers
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
-from pagedllm.model_loader.loaded_model import LoadedModel
+from pagedllm.model_loader.loaded_model import LazyWeights, LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 from pagedllm.models.registry import supported_architectures
 
@@ -247,9 +248,29 @@ def _load_pickle_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_safetensors(directory: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+def _lazy_safetensors(directory: Path, files: list[str]) -> LazyWeights:
+    """Each tensor read from its file when asked for (safe_open maps the file)."""
+    readers = {}
+    for name in files:
+        path = directory / name
+        try:
+            handle = safe_open(path, "pt")
+        except (SafetensorError, ValueError, OSError) as e:
+            raise ValueError(
+                f"{path} is not a readable safetensors file (truncated or corrupt?): {e}"
+            ) from None
+        for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
+            if not key.endswith("rotary_emb.inv_freq"):
+                readers[key] = functools.partial(handle.get_tensor, key)
+    return LazyWeights(readers)
+
+
+def load_safetensors(
+    directory: Path, allow_pickle: bool = False, lazy: bool = False
+) -> dict[str, torch.Tensor] | LazyWeights:
     """The weights of a HF directory: *.safetensors (sharded too). A directory with only pickle
-    checkpoints (pytorch_model.bin, *.pt, *.pth) is refused unless `allow_pickle`."""
+    checkpoints (pytorch_model.bin, *.pt, *.pth) is refused unless `allow_pickle`. `lazy`:
+    safetensors read one tensor at a time as the model takes them (pickles load whole)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         files = _index_files(index)
@@ -269,6 +290,8 @@ def load_safetensors(directory: Path, allow_pickle: bool = False) -> dict[str, t
                 "with torch.load(weights_only=True), which builds tensors only"
             )
         files, load = pickles, _load_pickle_file
+    elif lazy:
+        return _lazy_safetensors(directory, files)
     weights: dict[str, torch.Tensor] = {}
     for name in files:
         weights.update(load(directory / name))
@@ -330,16 +353,17 @@ def load_hf_dir(
     path: str | os.PathLike,
     tokenizer: str | os.PathLike | None = None,
     allow_pickle: bool = False,
+    lazy: bool = False,
 ) -> LoadedModel:
     """`allow_pickle`: load pytorch_model.bin / *.pt weights (with torch.load(weights_only=True))
-    when the directory has no safetensors; refused by default."""
+    when the directory has no safetensors; refused by default. `lazy`: see load_safetensors."""
     directory = Path(path)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(
             f"{directory} has no config.json: not a Hugging Face model directory"
         )
     config = _config_from_file(directory / "config.json")
-    weights = load_safetensors(directory, allow_pickle)
+    weights = load_safetensors(directory, allow_pickle, lazy)
     return LoadedModel(
         config=config,
         weights=weights,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -11,12 +12,32 @@ from pagedllm.layers.quantization import QuantWeight
 from pagedllm.model_loader.tokenizer import Tokenizer
 
 
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Weights read from the file one at a time, when asked for (`load_model(lazy=True)`): a
+    tensor-parallel rank slices each and drops it, never holding the whole model."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._readers = readers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+    def clear(self) -> None:
+        self._readers.clear()
+
+
 @dataclass
 class LoadedModel:
     config: ModelArchConfig
     # HF parameter names -> tensors. GGUF weights come dequantized to float32; safetensors weights
     # keep their stored dtype (the model casts). Tied embeddings: no "lm_head.weight" entry.
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] | LazyWeights
     tokenizer: Tokenizer | None
     name: str
     # HF weight names -> int4 / int8 codes, for weights a GGUF stores in 4- or 8-bit blocks (only

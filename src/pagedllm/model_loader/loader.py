@@ -154,17 +154,20 @@ def load_model(
     tokenizer: str | None = None,
     keep_codes: bool = False,
     allow_pickle: bool = False,
+    lazy: bool = False,
 ) -> LoadedModel:
     """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
 
     keep_codes: also return a GGUF's 4- and 8-bit blocks as codes (LoadedModel.quant_codes).
     allow_pickle: a HF directory with only pytorch_model.bin / *.pt weights is loaded (with
-    torch.load(weights_only=True)) instead of refused."""
+    torch.load(weights_only=True)) instead of refused.
+    lazy: the weights read one at a time as the model takes them (LazyWeights), so that a
+    tensor-parallel rank never holds more than its shard and one full tensor."""
     path = _model_path(model)
     if path.is_dir():
-        loaded = load_hf_dir(path, allow_pickle=allow_pickle)
+        loaded = load_hf_dir(path, allow_pickle=allow_pickle, lazy=lazy)
     elif path.suffix == ".gguf":
-        loaded = load_gguf(path, keep_codes=keep_codes)
+        loaded = load_gguf(path, keep_codes=keep_codes, lazy=lazy)
     elif path.suffix in PICKLE_SUFFIXES:
         raise ValueError(
             f"{path} is a pickle checkpoint: loading one can run any code it carries, and a lone "
