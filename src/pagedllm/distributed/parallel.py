@@ -39,6 +39,20 @@ def tp_group() -> TPGroup:
     return _group
 
 
+_cpu_group = None  # gloo, for host-side control messages when the default group is NCCL
+
+
+def cpu_group():
+    """The process group for host tensors (step messages, start-up agreements): the default
+    group under gloo, a gloo group beside NCCL (whose collectives take CUDA tensors only)."""
+    return _cpu_group
+
+
+def set_cpu_group(group) -> None:
+    global _cpu_group
+    _cpu_group = group
+
+
 def set_tp_group(rank: int, size: int) -> None:
     """This process is `rank` of `size` (torch.distributed initialised already when size > 1)."""
     global _group
@@ -124,5 +138,5 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
 def min_over_ranks(value: int) -> int:
     """The smallest of every rank's `value` (e.g. KV blocks: capacity is the least rank's)."""
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # once, at start-up: not counted
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())  # at start-up: not counted
     return int(t.item())

@@ -2,7 +2,8 @@
 payload per message: the step's block moves and the model's inputs as host arrays (token ids,
 positions, block tables, lengths), or the rows whose logits to compute, or shutdown. The
 scheduler and the KV block manager run on rank 0 only; the other ranks replay its decisions
-on their shards of the model and of the KV pool (the same block ids everywhere)."""
+on their shards of the model and of the KV pool (the same block ids everywhere). Host tensors,
+on the gloo group (distributed.parallel.cpu_group) also when the model's collectives use NCCL."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedllm.distributed.parallel import COMM_BYTES
+from pagedllm.distributed.parallel import COMM_BYTES, cpu_group
 
 STEP, LOGITS, SHUTDOWN = 1, 2, 3
 HEADER = 16  # kind, 7 sizes, up to 8 KV cache groups' table widths
@@ -40,10 +41,11 @@ def _pairs(moves) -> np.ndarray:
 def _broadcast(header: list[int], payload: np.ndarray) -> None:
     head = torch.zeros(HEADER, dtype=torch.int64)
     head[: len(header)] = torch.tensor(header)
-    dist.broadcast(head, src=0)
+    dist.broadcast(head, src=0, group=cpu_group())
     COMM_BYTES["broadcast"] += head.nbytes + payload.size * 8
     if payload.size:
-        dist.broadcast(torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64)), src=0)
+        payload_t = torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64))
+        dist.broadcast(payload_t, src=0, group=cpu_group())
 
 
 def send_step(s: StepInputs) -> None:
@@ -69,7 +71,7 @@ def send_shutdown() -> None:
 def receive() -> tuple[int, StepInputs | np.ndarray | None]:
     """(kind, what): STEP and its StepInputs, LOGITS and its rows, SHUTDOWN and None."""
     head = torch.empty(HEADER, dtype=torch.int64)
-    dist.broadcast(head, src=0)
+    dist.broadcast(head, src=0, group=cpu_group())
     h = head.tolist()
     kind = h[0]
     if kind == SHUTDOWN:
@@ -92,5 +94,5 @@ def _payload(n: int) -> np.ndarray:
     if n == 0:
         return np.empty(0, np.int64)
     t = torch.empty(n, dtype=torch.int64)
-    dist.broadcast(t, src=0)
+    dist.broadcast(t, src=0, group=cpu_group())
     return t.numpy()

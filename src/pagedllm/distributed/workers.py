@@ -17,7 +17,7 @@ import socket
 
 import torch.distributed as dist
 
-from pagedllm.distributed.parallel import set_tp_group
+from pagedllm.distributed.parallel import set_cpu_group, set_tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ def init_process_group(rank: int, size: int, address: tuple[str, int] | None, de
             "a free port every rank can reach; unset: 127.0.0.1 and a free port) and that "
             f"the {backend} backend works here"
         ) from e
+    if backend == "nccl":  # the step messages are host tensors: a gloo group beside NCCL
+        set_cpu_group(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     set_tp_group(rank, size)
 
 
@@ -143,3 +145,4 @@ def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     set_tp_group(0, 1)
+    set_cpu_group(None)

@@ -138,6 +138,9 @@ class LLMEngine:
                 self.tp_workers = TPWorkers(args, tp_size)
                 tp_address = self.tp_workers.address
             self._tp_driver = tp_rank == 0
+            if self.device.type == "cuda":  # one GPU per rank of this node
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp_rank)))
+                torch.cuda.set_device(self.device)
             if self._tp_driver:
                 atexit.register(self.shutdown)
         try:
