@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -101,3 +102,14 @@ def test_head_split_is_checked_before_starting(checkpoint):
 def test_quantization_is_refused():
     with pytest.raises(ValueError, match="--quantization with tensor parallelism"):
         LLM(tensor_parallel_size=2, quantization="int4")
+
+
+def test_a_group_that_cannot_connect_names_what_to_check(checkpoint, monkeypatch):
+    with socket.socket() as taken:  # MASTER_PORT already in use
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with pytest.raises(RuntimeError, match="could not connect rank 0 of 2.*MASTER_PORT"):
+            LLM(model=checkpoint, tensor_parallel_size=2, **ENGINE)
+    assert tp_group().size == 1

@@ -119,7 +119,9 @@ class TPWorkers:
         if self._closed:
             return
         self._closed = True
-        if self.dead() is None:
+        if not dist.is_initialized():
+            timeout = 0  # the group never formed: nothing to tell them
+        elif self.dead() is None:
             stop_workers()
         for p in self.procs:
             p.join(timeout)
