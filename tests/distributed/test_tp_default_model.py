@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.server_process import free_port, start_server
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 180
@@ -68,27 +67,9 @@ def _workers(pid: int) -> list[int]:
 
 
 def _serve(*flags):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-         "--max-model-len", "512", "--kv-cache-memory", "64MiB", "-tp", "2", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + TIMEOUT
-    while True:
-        assert proc.poll() is None, "".join(lines)
-        assert time.time() < deadline, "".join(lines)
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, lines
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    return start_server(
+        ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "-tp", "2", *flags], TIMEOUT
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -151,9 +132,7 @@ def test_torchrun_starts_every_rank():
     cli = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
     single = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=TIMEOUT)
     assert single.returncode == 0, single.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     launched = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(port),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,20 +17,15 @@ from pagedllm.model_loader import load_hf_dir
 from pagedllm.models import get_model_class
 from tests.conftest import save_tiny_llama
 from tests.models.paged_runner import PagedRunner
+from tests.server_process import free_port
 
 RANK_SCRIPT = Path(__file__).with_name("tp_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))
 from tp_rank import PROMPTS  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(checkpoint, out_dir, size: int, dtype: str = "float32") -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size),

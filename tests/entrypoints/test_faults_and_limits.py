@@ -8,9 +8,7 @@ and bind defaults run `pagedllm serve` as a subprocess.
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -29,18 +27,13 @@ from pagedllm.entrypoints.openai import serving_completion
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.serving import ServerLimits
 from tests.conftest import save_tiny_llama
+from tests.server_process import free_port, start_server
 
 TOKENIZER = "SmolLM2-135M-Instruct"
 POISON = [7, 7, 7, 7, 7]  # the prompt whose detokenizer raises
 GOOD = [[11, 12, 13], [21, 22, 23, 24], [31, 32], [41, 42, 43, 44, 45]]
 BODY_LIMIT = 64 << 10
 TIMEOUT = 120  # seconds: generous, the machine may be busy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,7 @@ class InProcessServer:
 
     def __init__(self, async_engine: AsyncLLMEngine, **app_kwargs) -> None:
         self.engine = async_engine
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = build_app(async_engine, "tiny", **app_kwargs)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -490,27 +483,11 @@ def test_api_key_guards_every_route_but_health(server, metrics_open):
 
 
 def _serve(model: str, *flags: str) -> tuple[subprocess.Popen, str, list[str]]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model,
-         "--tokenizer", TOKENIZER, "--device", "cpu", "--max-model-len", "256",
-         "--kv-cache-memory", "16MiB", "--port", str(port), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "DEBUG"},
+    return start_server(
+        ["--model", model, "--tokenizer", TOKENIZER, "--device", "cpu", "--max-model-len", "256",
+         "--kv-cache-memory", "16MiB", *flags],
+        TIMEOUT, env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "DEBUG"},
     )  # fmt: skip
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + TIMEOUT
-    while True:
-        assert proc.poll() is None, "".join(lines)
-        assert time.time() < deadline, "".join(lines)
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, lines
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("log_requests", [False, True])
