@@ -116,33 +116,12 @@ class LLMEngine:
             lazy=tp_size > 1,  # each rank keeps its slices only
         )
         self.model_name = loaded.name
-        self.model_config = config = loaded.config
+        self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.tp_workers: TPWorkers | None = None
         self._tp_driver = False  # rank 0 of a group: shutdown() stops the others
-        launched = launched_rank()
         if tp_size > 1:
-            # The head split is checked before any process starts.
-            HeadShard.of(
-                config.num_attention_heads, config.num_key_value_heads, TPGroup(0, tp_size)
-            )
-            if launched is not None:  # torchrun started every rank
-                world = int(os.environ["WORLD_SIZE"])
-                if world != tp_size:
-                    raise ValueError(
-                        f"--tensor-parallel-size {tp_size}, but the launcher started {world} "
-                        "ranks (WORLD_SIZE): they must be equal"
-                    )
-                tp_rank, tp_address = launched, None
-            elif tp_rank == 0:
-                self.tp_workers = TPWorkers(args, tp_size)
-                tp_address = self.tp_workers.address
-            self._tp_driver = tp_rank == 0
-            if self.device.type == "cuda":  # one GPU per rank of this node
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp_rank)))
-                torch.cuda.set_device(self.device)
-            if self._tp_driver:
-                atexit.register(self.shutdown)
+            tp_rank, tp_address = self._place_rank(tp_rank, tp_address)
         try:
             if tp_size > 1:
                 init_process_group(tp_rank, tp_size, tp_address, self.device)
@@ -151,6 +130,32 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+
+    def _place_rank(self, tp_rank: int, tp_address) -> tuple[int, tuple[str, int] | None]:
+        """Before joining a tensor-parallel group: check the head split, find this process's
+        rank and where to connect (torchrun's environment, or the workers rank 0 spawns now),
+        and its GPU on CUDA."""
+        size, config = self.args.tensor_parallel_size, self.model_config
+        HeadShard.of(config.num_attention_heads, config.num_key_value_heads, TPGroup(0, size))
+        launched = launched_rank()
+        if launched is not None:  # torchrun started every rank
+            world = int(os.environ["WORLD_SIZE"])
+            if world != size:
+                raise ValueError(
+                    f"--tensor-parallel-size {size}, but the launcher started {world} ranks "
+                    "(WORLD_SIZE): they must be equal"
+                )
+            tp_rank, tp_address = launched, None
+        elif tp_rank == 0:
+            self.tp_workers = TPWorkers(self.args, size)
+            tp_address = self.tp_workers.address
+        if tp_rank == 0:
+            self._tp_driver = True
+            atexit.register(self.shutdown)
+        if self.device.type == "cuda":  # one GPU per rank of this node
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", tp_rank)))
+            torch.cuda.set_device(self.device)
+        return tp_rank, tp_address
 
     def _start(self, loaded) -> None:
         """Build the model (this rank's shard), the runner and its KV cache, the scheduler."""
