@@ -107,6 +107,11 @@ def split(n: int, what: str) -> tuple[int, int]:
     return tp.rank * count, count
 
 
+def mlp_shard(config: ModelArchConfig) -> tuple[int, int]:
+    """(start, count) of this rank's rows of the MLP's intermediate dimension."""
+    return split(config.intermediate_size, "the MLP's intermediate size")
+
+
 def vocab_shard(vocab_size: int) -> tuple[int, int]:
     """(start, rows) of this rank's vocabulary rows: the vocabulary padded to a multiple of the
     group's size (the padding rows are zeros, their logits cut before sampling)."""

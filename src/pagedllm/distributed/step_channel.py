@@ -34,7 +34,8 @@ class StepInputs:
     block_tables: list[np.ndarray]  # per KV cache group, [R, max blocks]
 
 
-def _pairs(moves) -> np.ndarray:
+def pairs(moves) -> np.ndarray:
+    """Block moves [(a, b), ...] as an int64 array [n, 2]."""
     return np.asarray(moves, dtype=np.int64).reshape(-1, 2)
 
 

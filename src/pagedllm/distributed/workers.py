@@ -84,10 +84,6 @@ def run_worker(args, rank: int, address: tuple[str, int] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def _spawned_main(rank: int, size: int, args, address: tuple[str, int]) -> None:
-    run_worker(args, rank, address)
-
-
 class TPWorkers:
     """Ranks 1..N-1, spawned by rank 0's engine."""
 
@@ -96,11 +92,11 @@ class TPWorkers:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
         self.procs = [
             ctx.Process(
-                target=_spawned_main,
-                args=(rank, size, args, self.address),
+                target=run_worker,
+                args=(args, rank, self.address),
                 name=f"pagedllm-tp{rank}",
                 daemon=True,
-            )  # fmt: skip
+            )
             for rank in range(1, size)
         ]
         for p in self.procs:

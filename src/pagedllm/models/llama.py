@@ -21,7 +21,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import all_reduce, gather_vocab, head_shard, tp_group, vocab_shard
-from pagedllm.distributed.parallel import split
+from pagedllm.distributed.parallel import mlp_shard
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
@@ -78,7 +78,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig, dtype):
         super().__init__()
         hidden, bias = config.hidden_size, config.mlp_bias
-        _, inter = split(config.intermediate_size, "the MLP's intermediate size")
+        _, inter = mlp_shard(config)
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
         self.act_fn = SiluAndMul()
@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         shard = head_shard(c)  # this rank's rows of each
         q_size = shard.num_heads * c.head_dim
         kv_size = shard.num_kv_heads * c.head_dim
-        _, inter = split(c.intermediate_size, "the MLP's intermediate size")
+        _, inter = mlp_shard(c)
         return {
             "q_proj": ("qkv_proj", 0, q_size),
             "k_proj": ("qkv_proj", q_size, kv_size),
@@ -256,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
             part = tensor[start : start + rows]
             out[: len(part)] = part
             return out
-        inter = split(c.intermediate_size, "the MLP's intermediate size")
+        inter = mlp_shard(c)
         rows = {
             "q_proj": (shard.q_start * d, shard.num_heads * d),
             "k_proj": (shard.kv_start * d, shard.num_kv_heads * d),

@@ -13,17 +13,13 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import head_shard, step_channel, tp_group
-from pagedllm.distributed.step_channel import StepInputs
+from pagedllm.distributed.step_channel import StepInputs, pairs
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, beam_candidates, gather_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-def _pairs(moves: list[tuple[int, int]]) -> np.ndarray:
-    return np.asarray(moves, dtype=np.int64).reshape(-1, 2)
 
 
 def kv_cache_spec(config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -127,8 +123,8 @@ class ModelRunner:
     def _step_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list[Request], np.ndarray]:
         """The step as host arrays (what the other ranks of a tensor-parallel group receive),
         the requests to sample, and the rows of their logits."""
-        moves = [_pairs(so.blocks_to_swap_out), _pairs(so.blocks_to_swap_in),
-                 _pairs(so.blocks_to_copy)]  # fmt: skip
+        moves = [pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in),
+                 pairs(so.blocks_to_copy)]  # fmt: skip
         reqs = so.scheduled_requests
         if not reqs:
             empty = np.empty(0, np.int64)
