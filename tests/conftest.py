@@ -6,7 +6,12 @@ import os
 import pytest
 import torch
 
-from pagedllm.model_loader import resolve_model
+# Without a GPU the Triton backend's kernels run on CPU tensors under Triton's interpreter; it
+# is chosen when pagedllm.attention.triton_kernels is imported, so it is set before any test.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedllm.model_loader import resolve_model  # noqa: E402
 
 
 def save_tiny_llama(path, seed: int = 0, **overrides) -> "torch.nn.Module":

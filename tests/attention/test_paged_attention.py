@@ -49,10 +49,13 @@ def dense_causal_attention(q, k, v, scale, sliding_window=None, soft_cap=None):
     return torch.einsum("hqk,khd->qhd", probs, v.double())
 
 
-def build_batch(reqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
-    """reqs: [(num_computed_tokens, q_len)]. Returns everything a backend call needs plus the
-    dense per-request tensors. Physical blocks are a random permutation handed out round-robin,
-    so requests' blocks interleave and no table is contiguous."""
+def build_batch(
+    reqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0, device="cpu"
+):
+    """reqs: [(num_computed_tokens, q_len)]. Returns everything a backend call needs (on
+    `device`) plus the dense per-request tensors (on CPU). Physical blocks are a random
+    permutation handed out round-robin, so requests' blocks interleave and no table is
+    contiguous."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in reqs]
     blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
@@ -86,13 +89,15 @@ def build_batch(reqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch
     tables = np.zeros((len(reqs), width), np.int32)
     for i, table in enumerate(block_tables):
         tables[i, : len(table)] = table
-    meta = AttentionMetadata.build(block_size, slot_mapping, tables, [q for _, q in reqs], seq_lens)
+    meta = AttentionMetadata.build(
+        block_size, slot_mapping, tables, [q for _, q in reqs], seq_lens, device
+    )
     return dict(
-        query=torch.cat(queries),
-        key=torch.cat(new_k),
-        value=torch.cat(new_v),
-        k_cache=k_cache,
-        v_cache=v_cache,
+        query=torch.cat(queries).to(device),
+        key=torch.cat(new_k).to(device),
+        value=torch.cat(new_v).to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
         meta=meta,
         dense=dense,
     )
@@ -232,7 +237,7 @@ def test_backend_selection():
     assert get_attention_backend("auto").forward is paged_attention_cpu
     with pytest.raises(ValueError, match="not cuda"):
         get_attention_backend("cpu", device="cuda")
-    with pytest.raises(ValueError, match="auto, cpu, sdpa, torch"):
+    with pytest.raises(ValueError, match="auto, cpu, sdpa, torch, triton"):
         get_attention_backend("flash")
 
 

@@ -202,8 +202,9 @@ class LLMEngine:
                 "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
             )
         self.runner = ModelRunner(
-            self.model, config, self.block_size, self.device, self.dtype, seed=args.seed
-        )
+            self.model, config, self.block_size, self.device, self.dtype, seed=args.seed,
+            attention_backend=self.attention_backend,
+        )  # fmt: skip
         self.num_blocks = self._num_kv_blocks()
         if args.tensor_parallel_size > 1:  # every rank's pool holds the same block ids
             self.num_blocks = min_over_ranks(self.num_blocks)

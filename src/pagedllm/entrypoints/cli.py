@@ -29,7 +29,7 @@ _ENGINE_FLAGS = {
     "--preemption-mode": (str, "recompute | swap: what happens to a preempted request's KV cache"),
     "--swap-space": (float, "GiB of CPU memory for swapped-out KV blocks (swap mode; at most "
                             "the KV cache's size)"),
-    "--attention-backend": (str, "auto | cpu | sdpa | torch"),
+    "--attention-backend": (str, "auto | cpu | sdpa | torch | triton"),
     "--tensor-parallel-size": (int, "split the model across this many processes (torch."
                                     "distributed: gloo on CPU, NCCL on CUDA)"),
     "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "

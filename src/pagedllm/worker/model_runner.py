@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import ModelArchConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
@@ -40,6 +41,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.config = config
@@ -56,6 +58,8 @@ class ModelRunner:
         self.num_swapped_in_blocks = 0
         self.num_kv_heads = head_shard(config).num_kv_heads
         self.tp_size = tp_group().size  # rank 0 sends each step to the others (step_channel)
+        # Block copies (copy-on-write, swap) run on the attention backend's kernels.
+        self.copy_pool_blocks = get_attention_backend(attention_backend, device).copy_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One preallocated pool [group_size, 2, num_blocks, block_size, kvh, d]: each layer's K
@@ -79,27 +83,30 @@ class ModelRunner:
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Out first ((device, cpu) pairs), then in ((cpu, device) pairs): a device block swapped
-        out in this step may be the destination of a swap-in. One batched copy per direction."""
-        # index_select + index_copy_ along the block dimension: about 3x faster on CPU than
-        # advanced-index assignment, which builds extra full-size temporaries.
+        out in this step may be the destination of a swap-in. Per direction, the blocks are
+        gathered into one staging buffer and cross between host and device in one copy."""
         if swap_out:
             dev, cpu = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_out, strict=True))
-            blocks = self.kv_pool.index_select(2, dev.to(self.device))
-            self.swap_pool.index_copy_(2, cpu, blocks.cpu())
+            shape = (*self.kv_pool.shape[:2], len(dev), *self.kv_pool.shape[3:])
+            staged = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.copy_pool_blocks(self.kv_pool, staged, dev.to(self.device),
+                                  torch.arange(len(dev), device=self.device))  # fmt: skip
+            self.swap_pool.index_copy_(2, cpu, staged.cpu())
             self.num_swapped_out_blocks += len(swap_out)
         if swap_in:
             cpu, dev = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_in, strict=True))
-            blocks = self.swap_pool.index_select(2, cpu).to(self.device)
-            self.kv_pool.index_copy_(2, dev.to(self.device), blocks)
+            staged = self.swap_pool.index_select(2, cpu).to(self.device)
+            self.copy_pool_blocks(staged, self.kv_pool, torch.arange(len(dev), device=self.device),
+                                  dev.to(self.device))  # fmt: skip
             self.num_swapped_in_blocks += len(swap_in)
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy-on-write: every (source, destination) block of the step, in all layers, K and V,
-        in one gather + scatter over the pool."""
+        in one call over the pool."""
         src, dst = zip(*blocks_to_copy, strict=True)
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        self.kv_pool.index_copy_(2, dst_t, self.kv_pool.index_select(2, src_t))
+        self.copy_pool_blocks(self.kv_pool, self.kv_pool, src_t, dst_t)
         self.num_copied_blocks += len(blocks_to_copy)
 
     @torch.inference_mode()
