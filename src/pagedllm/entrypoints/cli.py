@@ -374,7 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
             func=lambda ns, module=module: module.main(ns, engine_args_from(ns))
         )
 
-    from pagedllm.benchmarks import kv_waste
+    from pagedllm.benchmarks import attention, kv_waste
+
+    attn = bench_sub.add_parser(
+        "attention", help="the decode attention kernel's bandwidth (bytes of K/V read per "
+        "second) against a device-to-device copy in the same run",
+    )  # fmt: skip
+    attention.add_cli_args(attn)
+    attn.set_defaults(func=attention.main)
 
     kw = bench_sub.add_parser(
         "kv-waste", help="KV memory use (token states, reserved, fragmentation) of paged vs "

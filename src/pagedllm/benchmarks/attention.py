@@ -1,0 +1,114 @@
+"""`pagedllm bench attention`: the decode attention kernel against the memory it must read.
+
+A decode step's attention reads every running request's K and V once; nothing else it does
+comes close in bytes, so its speed is bandwidth: bytes read / kernel time, reported against a
+device-to-device copy of the same size timed in the same run (counting the copy's reads and
+writes, as copy bandwidth is usually quoted). Shapes default to the default model's attention
+(9 query heads, 3 KV heads, head_dim 64); block tables are shuffled as a busy pool's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.attention import AttentionMetadata, get_attention_backend
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("benchmark")
+    group.add_argument("--backend", default="auto", help="attention backend (default: auto)")
+    group.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    group.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    group.add_argument("--num-seqs", type=int, default=64, help="decoding requests")
+    group.add_argument("--context-lens", default="512,2048,8192",
+                       help="comma-separated context lengths, one run each")  # fmt: skip
+    group.add_argument("--num-heads", type=int, default=9)
+    group.add_argument("--num-kv-heads", type=int, default=3)
+    group.add_argument("--head-dim", type=int, default=64)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--iters", type=int, default=20, help="timed calls (median reported)")
+
+
+def main(ns: argparse.Namespace) -> int:
+    device = torch.device(
+        ns.device if ns.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    backend = get_attention_backend(ns.backend, device)
+    dtype = DTYPES[ns.dtype]
+    print(f"decode attention, backend {backend.name} on {_device_name(device)}, {ns.dtype}, "
+          f"{ns.num_seqs} requests, {ns.num_heads} heads / {ns.num_kv_heads} KV heads x "
+          f"{ns.head_dim}, block size {ns.block_size}")  # fmt: skip
+    print(f"{'context':>8} {'KV MiB':>8} {'kernel ms':>10} {'read GB/s':>10} "
+          f"{'copy GB/s':>10} {'of copy':>8}")  # fmt: skip
+    for context_len in (int(n) for n in ns.context_lens.split(",")):
+        r = run_one(ns, backend, device, dtype, context_len)
+        print(f"{context_len:>8} {r['bytes'] / 2**20:>8.1f} {r['kernel_s'] * 1e3:>10.3f} "
+              f"{r['read_gbps']:>10.4g} {r['copy_gbps']:>10.4g} {r['fraction']:>8.1%}")  # fmt: skip
+    return 0
+
+
+def run_one(ns, backend, device, dtype, context_len: int) -> dict:
+    """One shape: the kernel's median time and bandwidth, and the copy's."""
+    bs, kvh, d = ns.block_size, ns.num_kv_heads, ns.head_dim
+    blocks_per_seq = -(-context_len // bs)
+    num_blocks = ns.num_seqs * blocks_per_seq
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(num_blocks).reshape(ns.num_seqs, blocks_per_seq)
+    meta = AttentionMetadata.build(
+        bs, np.zeros(ns.num_seqs, np.int64), tables, [1] * ns.num_seqs,
+        [context_len] * ns.num_seqs, device,
+    )  # fmt: skip
+    k_cache = torch.randn(num_blocks, bs, kvh, d, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    query = torch.randn(ns.num_seqs, ns.num_heads, d, device=device).to(dtype)
+    scale = d**-0.5
+    kv_bytes = 2 * ns.num_seqs * context_len * kvh * d * k_cache.element_size()
+    read_bytes = kv_bytes + 2 * query.numel() * query.element_size()  # + the output written
+
+    def attend():
+        backend.forward(query, k_cache, v_cache, meta, scale)
+
+    kernel_s = _median_time(attend, device, ns.iters)
+    src = torch.empty(kv_bytes // 2, dtype=torch.int16, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    copy_s = _median_time(lambda: dst.copy_(src), device, ns.iters)
+    copy_gbps = 2 * kv_bytes / copy_s / 1e9  # read + write
+    read_gbps = read_bytes / kernel_s / 1e9
+    return dict(bytes=kv_bytes, kernel_s=kernel_s, read_gbps=read_gbps, copy_gbps=copy_gbps,
+                fraction=read_gbps / copy_gbps)  # fmt: skip
+
+
+def _median_time(fn, device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        return "cpu"
