@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check_out}
 mkdir -p "$out"
-export PYTHONPATH=src:. PYTHONUNBUFFERED=1
+export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 py=${PYTHON:-python3}
 status=0
