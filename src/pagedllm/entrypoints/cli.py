@@ -376,25 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagedllm.benchmarks import attention, kv_waste
 
-    attn = bench_sub.add_parser(
-        "attention", help="the decode attention kernel's bandwidth (bytes of K/V read per "
-        "second) against a device-to-device copy in the same run",
-    )  # fmt: skip
-    attention.add_cli_args(attn)
-    attn.set_defaults(func=attention.main)
-
-    kw = bench_sub.add_parser(
-        "kv-waste", help="KV memory use (token states, reserved, fragmentation) of paged vs "
-        "contiguous reservations (Max, Pow2, Oracle), the scheduler run with a stand-in model",
-    )  # fmt: skip
-    kv_waste.add_cli_args(kw)
-    kw.set_defaults(func=kv_waste.main)
-
-    bs = bench_sub.add_parser(
-        "serve", help="online: a Poisson stream of requests against a running pagedllm serve"
-    )
-    serve_bench.add_cli_args(bs)
-    bs.set_defaults(func=serve_bench.main)
+    # Benchmarks with their own flags only (no engine, or a server already running).
+    for name, module, help_ in (
+        ("attention", attention, "the decode attention kernel's bandwidth (bytes of K/V read "
+         "per second) against a device-to-device copy in the same run"),
+        ("kv-waste", kv_waste, "KV memory use (token states, reserved, fragmentation) of paged "
+         "vs contiguous reservations (Max, Pow2, Oracle), the scheduler run with a stand-in "
+         "model"),
+        ("serve", serve_bench, "online: a Poisson stream of requests against a running "
+         "pagedllm serve"),
+    ):  # fmt: skip
+        bench_parser = bench_sub.add_parser(name, help=help_)
+        module.add_cli_args(bench_parser)
+        bench_parser.set_defaults(func=module.main)
     return parser
 
 
