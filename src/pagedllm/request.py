@@ -92,6 +92,9 @@ class Request:
         # (by kv_cache_manager.update_block_hashes).
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
+        # Structured outputs: this sequence's grammar state (a structured_output.Grammar), which
+        # consumes each output token; None when unconstrained.
+        self.grammar: Any = None
         self.group = SequenceGroup(self)
 
     @property
@@ -109,6 +112,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
 
     def is_finished(self) -> bool:
         return self.status.is_finished
@@ -131,6 +136,8 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.output_logprobs = list(self.output_logprobs)
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         self.group.seqs.append(child)
         return child
 

@@ -2,11 +2,62 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
 _MAX_LENGTH_PENALTY = 10.0
 MAX_LOGPROBS = 20  # logprobs / prompt_logprobs per token, at most (as vLLM's default)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of a JSON schema (a dict or its JSON
+    text), a regular expression, a list of choices, a grammar (Lark or llama.cpp's GBNF), or
+    json_object=True for any JSON object. disable_any_whitespace: compact JSON only."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or "
+                f"json_object, got {kinds or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs json must be a JSON schema object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                "structured_outputs choice must be a non-empty list of non-empty strings"
+            )
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -41,6 +92,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Constrained decoding (JSON schema, regex, choice, grammar); see StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -73,6 +126,11 @@ class SamplingParams:
                 raise ValueError(
                     f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
                 )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            if self.use_beam_search:
+                raise ValueError("structured_outputs are not supported with beam search")
         if self.use_beam_search:
             self._verify_beam_search()
         elif self.length_penalty != 1.0 or self.early_stopping is not False:

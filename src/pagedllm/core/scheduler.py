@@ -474,6 +474,9 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            request.stop_reason = None  # the constrained output is complete
+            return RequestStatus.FINISHED_STOPPED
         if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.config.max_model_len:

@@ -36,6 +36,7 @@ from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -190,6 +191,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        self._structured_output_manager: StructuredOutputManager | None = None  # on first use
 
         self.block_size = args.block_size
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(
@@ -450,11 +452,22 @@ class LLMEngine:
             arrival_time,
             cache_salt=cache_salt,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self._structured_outputs().grammar(params.structured_outputs)
         self._states[request_id] = _RequestState(
             request.group, delta, RequestMetrics(arrival_time=request.arrival_time)
         )
         self.scheduler.add_request(request)
         return request_id
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and it has none")
+        if self._structured_output_manager is None:
+            self._structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._structured_output_manager
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -639,11 +652,16 @@ class LLMEngine:
                     self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
                 )
                 state.detokenizers[seq.seq_id] = detokenizer
+            if seq.grammar is not None and seq.grammar.error is not None:
+                raise RuntimeError(f"the structured output grammar failed: {seq.grammar.error}")
             new_token_ids = seq.output_token_ids[detokenizer.num_tokens :]
             if not new_token_ids:
                 continue
-            # An EOS or stop token that ended the sequence is not part of the text.
-            by_token = seq.status == RequestStatus.FINISHED_STOPPED
+            # An EOS or stop token that ended the sequence is not part of the text (a token that
+            # completed a structured output, also a stop, is).
+            by_token = seq.status == RequestStatus.FINISHED_STOPPED and (
+                seq.stop_reason is not None or seq.output_token_ids[-1] in seq.eos_token_ids
+            )
             stop = detokenizer.update(new_token_ids, stop_terminated=by_token)
             if stop is not None and not seq.is_finished():
                 seq.stop_reason = stop

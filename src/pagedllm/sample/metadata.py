@@ -33,6 +33,9 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     # (rows, token ids, bias) added to the logits.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # Structured outputs: (rows, bitmask [rows, vocab / 32] int32) of the constrained rows; their
+    # disallowed tokens are set to -inf before anything else.
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # None: no row wants logprobs
     # Per row: top logprobs to report (0: only the sampled token's), or None for none.
     num_logprobs: list[int | None]
@@ -140,6 +143,14 @@ class SamplingMetadata:
                 bias_ids += [t for t, _ in items]
                 bias_values += [b for _, b in items]
 
+        grammar_bitmask = None
+        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if grammar_rows:
+            from pagedllm.structured_output import grammar_bitmask as fill_bitmask
+
+            grammars = [requests[i].grammar for i in grammar_rows]
+            grammar_bitmask = (longs(grammar_rows), fill_bitmask(grammars))
+
         # best_of > n ranks samples by cumulative logprob, so it needs the sampled token's.
         num_logprobs = [
             p.logprobs if p.logprobs is not None else (0 if p.num_sequences > p.n else None)
@@ -164,6 +175,7 @@ class SamplingMetadata:
             logit_bias=(longs(bias_rows), longs(bias_ids), floats(bias_values))
             if bias_rows
             else None,
+            grammar_bitmask=grammar_bitmask,
             max_num_logprobs=max(logprobs) if logprobs else None,
             num_logprobs=num_logprobs,
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.structured_output import apply_grammar_bitmask
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Sampler(torch.nn.Module):
         # nothing will modify them (greedy rows only, no processors).
         in_place = not metadata.all_greedy or _has_processors(metadata)
         logits = logits.to(torch.float32, copy=in_place)
+        if metadata.grammar_bitmask is not None:
+            # Before the logprobs too: a constrained row's distribution is over allowed tokens.
+            apply_grammar_bitmask(logits, *metadata.grammar_bitmask)
         # vLLM's default: logprobs of the raw model distribution, before any processing.
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
@@ -83,7 +87,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _has_processors(md: SamplingMetadata) -> bool:
-    return md.logit_bias is not None or md.min_tokens_mask is not None or not md.no_penalties
+    return (
+        md.logit_bias is not None
+        or md.min_tokens_mask is not None
+        or md.grammar_bitmask is not None
+        or not md.no_penalties
+    )
 
 
 def beam_candidates(

@@ -1,0 +1,133 @@
+"""Structured outputs: decoding constrained by a grammar (JSON schema, regex, choice, Lark/GBNF).
+
+llguidance (a Rust grammar engine with Python bindings) compiles the request's constraint once,
+against the model's tokenizer, into a matcher. Before each sampled token the matcher gives the
+tokens that keep the output a prefix of some sentence of the grammar, as a bitmask over the
+vocabulary (one bit per token); the sampler sets every other logit to -inf. After sampling, the
+matcher consumes the token. Once the grammar can take nothing more the sequence stops.
+
+Why llguidance: it installs here with no dependencies (xgrammar needs transformers and Triton at
+run time), builds its tokenizer straight from the `tokenizers` JSON we already load, compiles a
+JSON schema in about a millisecond, and computes a mask in about 0.1 ms for this vocabulary,
+lazily (its lexer and Earley parser work on the fly, so there is no per-schema automaton to build
+over the whole vocabulary first).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.torch
+import torch
+
+if TYPE_CHECKING:
+    from pagedllm.model_loader.tokenizer import Tokenizer
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+# Whitespace JSON output may hold between tokens. Not unbounded: a small model can otherwise
+# emit newlines until max_tokens and never close the object.
+_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+
+
+class Grammar:
+    """One sequence's position in its grammar; forked with the sequence."""
+
+    __slots__ = ("matcher", "vocab_size")
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # the bitmask's width (at least the model's vocabulary)
+
+    def accept_token(self, token_id: int) -> None:
+        # A rejected token puts the matcher in its error state, which `error` reports.
+        self.matcher.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """Nothing but EOS can follow: the output is complete."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def fork(self) -> Grammar:
+        return Grammar(self.matcher.deep_copy(), self.vocab_size)
+
+
+class StructuredOutputManager:
+    """Compiles requests' constraints against one tokenizer (built on first use: ~0.2 s)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:
+            backend = self._tokenizer.backend
+            # The model may pad its vocabulary past the tokenizer's: those ids are never allowed.
+            n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=n_vocab, eos_token=self._eos_token_ids or None
+            )
+        return self._ll_tokenizer
+
+    def grammar(self, params: StructuredOutputsParams) -> Grammar:
+        """A matcher at the start of the constraint; ValueError for one that does not compile."""
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, _grammar_text(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {params.kind} for structured outputs: {matcher.get_error()}")
+        return Grammar(matcher, self.ll_tokenizer.vocab_size)
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else params.json
+        options = {"whitespace_flexible": False}
+        if not params.disable_any_whitespace:
+            options = {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:  # not JSON, or not an object
+            raise ValueError(f"invalid json schema for structured outputs: {e}") from None
+    if kind == "regex":
+        # \d as [0-9]: Rust's Unicode \d would also take digits of other scripts.
+        return llguidance.LLMatcher.grammar_from_lark(
+            f"start: /{llguidance.regex_to_lark(params.regex, 'd')}/"
+        )
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in params.choice)
+        )
+    # Lark (llguidance's syntax) or llama.cpp's GBNF, told apart by GBNF's `::=`.
+    try:
+        return llguidance.grammar_from("grammar", params.grammar)
+    except ValueError as e:
+        raise ValueError(f"invalid grammar for structured outputs: {e}") from None
+
+
+def grammar_bitmask(grammars: list[Grammar]) -> torch.Tensor:
+    """[len(grammars), vocab / 32] int32: bit t of row i set iff grammar i allows token t."""
+    bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
+    for row, grammar in enumerate(grammars):
+        llguidance.torch.fill_next_token_bitmask(grammar.matcher, bitmask, row)
+    return bitmask
+
+
+_BIT = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, each token of logits[rows] that its grammar does not allow."""
+    vocab = logits.shape[1]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    allowed = (bitmask.unsqueeze(-1) & _BIT.to(logits.device)) != 0  # [rows, words, 32]
+    disallowed = ~allowed.flatten(1)
+    if disallowed.shape[1] < vocab:  # (never: the bitmask covers the model's vocabulary)
+        raise ValueError(f"a grammar bitmask of {disallowed.shape[1]} tokens for {vocab} logits")
+    logits[rows] = logits[rows].masked_fill_(disallowed[:, :vocab], float("-inf"))
