@@ -84,6 +84,15 @@ class StructuredOutputManager:
         return Grammar(matcher, self.ll_tokenizer.vocab_size)
 
 
+def json_schema_error(schema: dict) -> str | None:
+    """Why llguidance cannot compile this JSON schema, or None (no tokenizer needed)."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        return str(e)
+    return llguidance.LLMatcher.validate_grammar(grammar) or None
+
+
 def _grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):

@@ -8,6 +8,7 @@ import sys
 import time
 
 from pagedllm.config import EngineArgs, parse_bytes
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 # flag -> (EngineArgs field, type, help). Names follow vLLM's.
 _ENGINE_FLAGS = {
@@ -176,6 +177,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     chat_template = _chat_template_arg(ns.chat_template)
     from pagedllm.entrypoints.openai.serving import ServerLimits
 
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or json)")
+
     limits = ServerLimits(
         max_request_body_bytes=ns.max_request_body_bytes or None,
         max_n=ns.max_n,
@@ -198,6 +202,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         limits=limits,
         metrics_need_api_key=not ns.disable_metrics_auth,
         log_requests=ns.enable_log_requests,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
     )
     return 0
 
@@ -290,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto"); '
+                            "needs --tool-call-parser")  # fmt: skip
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="how tool calls are read from the model's text: hermes "
+                            "(<tool_call>{...}</tool_call>) or json (a JSON call object or "
+                            "list)")  # fmt: skip
     serve.add_argument("--max-num-queued-reqs", "--max-waiting-requests", type=int, default=1024,
                        dest="max_waiting_requests",
                        help="refuse requests with 503 while this many wait to be scheduled; "

@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -165,6 +166,16 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.globals["dict"] = _Dict()
     env.globals["namespace"] = _Namespace
     return env.from_string(template)
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads (e.g. whether it renders `tools` itself)."""
+    env = _ChatTemplateEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.exceptions.TemplateSyntaxError:
+        return frozenset()
 
 
 def plain_data(value: Any) -> Any:

@@ -118,12 +118,15 @@ def build_app(
     limits: ServerLimits | None = None,
     metrics_need_api_key: bool = True,
     log_requests: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines);
     `max_waiting_requests`: a request that would queue more is refused with 503; `limits`:
     what one request may ask for; with an `api_key`, every route but /health needs it (and
     /metrics unless `metrics_need_api_key` is False); `log_requests`: log each request's
-    prompts and parameters (off: prompts never reach the log)."""
+    prompts and parameters (off: prompts never reach the log); `enable_auto_tool_choice`:
+    tool_choice "auto" allowed, its calls read by the `tool_call_parser` (hermes or json)."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     limits = limits or ServerLimits()
 
@@ -146,7 +149,11 @@ def build_app(
         log_requests,
     )  # fmt: skip
     completions = OpenAIServingCompletion(*serving)
-    chat = OpenAIServingChat(*serving)
+    chat = OpenAIServingChat(
+        *serving,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+    )
     app.state.async_engine = async_engine
 
     @app.exception_handler(OpenAIError)
@@ -285,6 +292,8 @@ def run_server(
     limits: ServerLimits | None = None,
     metrics_need_api_key: bool = True,
     log_requests: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Serve until Ctrl-C or SIGTERM (uvicorn's handlers): running requests get `grace`
     seconds to finish, then the engine loop stops."""
@@ -298,6 +307,8 @@ def run_server(
         limits,
         metrics_need_api_key,
         log_requests,
+        enable_auto_tool_choice,
+        tool_call_parser,
     )
     # uvicorn cancels what still runs 5 s after the engine stopped (a backstop).
     config = uvicorn.Config(

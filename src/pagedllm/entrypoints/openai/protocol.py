@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -73,6 +73,19 @@ class UsageInfo(OpenAIModel):
     total_tokens: int = 0
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    # "schema" in the body (a BaseModel attribute name, hence the alias); absent: any object.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(OpenAIRequest):
     """The sampling fields completions and chat share (vLLM's extras included)."""
 
@@ -100,6 +113,46 @@ class _SamplingRequest(OpenAIRequest):
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
+    # StructuredOutputsParams) and its older guided_* fields; one of them at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint; ValueError naming the field for a bad one."""
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif fmt.json_schema is None:
+                raise ValueError('response_format of type "json_schema" needs a json_schema')
+            else:
+                schema = fmt.json_schema.json_schema
+                given["response_format"] = {"json": schema or {"type": "object"}}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given[f"guided_{kind}"] = {kind: value}
+        if len(given) > 1:
+            raise ValueError(
+                f"structured_outputs: give one output constraint, got {', '.join(given)}"
+            )
+        if not given:
+            return None
+        ((field, kwargs),) = given.items()
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except TypeError as e:  # an unknown key in structured_outputs
+            raise ValueError(f"structured_outputs: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{field}: {str(e).removeprefix('structured_outputs ')}") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for an out-of-range value."""
@@ -128,6 +181,7 @@ class _SamplingRequest(OpenAIRequest):
             logit_bias=self.logit_bias,
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -145,8 +199,33 @@ class ChatMessage(OpenAIModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -218,9 +297,35 @@ class ChatChoiceLogProbs(OpenAIModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed piece of the tool call at `index`: the id, type and name come first, once."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -243,6 +348,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -28,6 +28,10 @@ _ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# Request fields that constrain the output (not SamplingParams fields), named in 400s.
+_STRUCTURED_FIELDS = {
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
+}  # fmt: skip
 MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
 
 
@@ -180,9 +184,11 @@ class OpenAIServing:
         try:
             return build(*args)
         except (ValueError, TypeError) as e:
-            # SamplingParams' messages start with the field's name.
-            name = str(e).split(" ", 1)[0]
-            param = name if name in SamplingParams.__dataclass_fields__ else None
+            # SamplingParams' messages start with the field's name (and a colon for the request's
+            # own structured-output fields).
+            name = str(e).split(" ", 1)[0].removesuffix(":")
+            known = name in SamplingParams.__dataclass_fields__ or name in _STRUCTURED_FIELDS
+            param = name if known else None
             raise OpenAIError(str(e), param=param) from None
 
     def generators(

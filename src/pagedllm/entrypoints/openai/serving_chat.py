@@ -32,6 +32,14 @@ from pagedllm.entrypoints.openai.serving import (
     stream_error,
     unless_disconnected,
 )
+from pagedllm.entrypoints.openai.tools import (
+    ToolCallStream,
+    ToolPlan,
+    calls_in_output,
+    plan_tools,
+    response_tool_calls,
+    template_messages,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -71,26 +79,54 @@ def _message_dict(message) -> dict:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt(self, body: ChatCompletionRequest) -> dict:
-        return self.render(body.messages, body.add_generation_prompt)
+    def __init__(
+        self,
+        *args,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
 
-    def render(self, messages, add_generation_prompt: bool) -> dict:
-        """Chat messages through the template -> {"prompt", "prompt_token_ids"}."""
-        if self.tokenizer is None or (
-            self.tokenizer.chat_template is None and self.chat_template is None
-        ):
+    def render(self, messages, add_generation_prompt: bool, tools: ToolPlan | None = None) -> dict:
+        """Chat messages (and the tools they may call) through the template ->
+        {"prompt", "prompt_token_ids"}."""
+        template = self.chat_template or (self.tokenizer and self.tokenizer.chat_template)
+        if self.tokenizer is None or template is None:
             raise OpenAIError("this model has no chat template: use /v1/completions")
         messages = [_message_dict(m) for m in messages]
+        messages, tool_dicts = template_messages(messages, tools or ToolPlan(), template)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template,
+                chat_template=template,
+                tools=tool_dicts,
             )
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
+
+    @staticmethod
+    def _constrain_tool_calls(plan: ToolPlan, params) -> None:
+        """ "required" and named tool choices: the call's JSON constrains the output."""
+        constraint = plan.structured_outputs()
+        if constraint is None:
+            return
+        if params.structured_outputs is not None:
+            raise OpenAIError(
+                f'tool_choice "{plan.mode}" constrains the output itself: it cannot be combined '
+                "with response_format or structured_outputs",
+                param="tool_choice",
+            )
+        if params.use_beam_search:
+            raise OpenAIError(
+                "tool calls are not supported with beam search", param="use_beam_search"
+            )
+        params.structured_outputs = constraint
 
     def _num_logprobs(self, body: ChatCompletionRequest) -> int | None:
         if body.top_logprobs is not None:
@@ -119,7 +155,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
-        prompt = self._prompt(body)
+        plan = plan_tools(body, self.enable_auto_tool_choice, self.tool_call_parser)
+        self._constrain_tool_calls(plan, params)
+        prompt = self.render(body.messages, body.add_generation_prompt, plan)
         self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id("chatcmpl")
         self.log_request(request_id, [prompt], params)
@@ -131,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
                 return JSONResponse({}, status_code=499)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return DisconnectAwareStream(
-                self._stream(body, request_id, stream, include_usage),
+                self._stream(body, request_id, stream, include_usage, plan),
                 media_type="text/event-stream",
             )
         try:
@@ -141,7 +179,7 @@ class OpenAIServingChat(OpenAIServing):
         if finals is None:
             return JSONResponse({}, status_code=499)
         try:
-            return self._response(body, request_id, finals[0], num_logprobs)
+            return self._response(request_id, finals[0], num_logprobs, plan)
         except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
             raise request_failed(request_id, e) from e
 
@@ -151,18 +189,27 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
 
     def _response(
-        self, body, request_id: str, final: RequestOutput, num_logprobs: int | None
+        self, request_id: str, final: RequestOutput, num_logprobs: int | None, plan: ToolPlan
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=self._choice_logprobs(c, num_logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            message = ChatResponseMessage(content=c.text)
+            finish_reason = c.finish_reason
+            if plan.mode != "none":
+                content, calls = calls_in_output(plan, c.text)
+                tool_calls = response_tool_calls(calls)
+                message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._choice_logprobs(c, num_logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in sorted(final.outputs, key=lambda c: c.index)
-        ]
         prompt_tokens = len(final.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(
@@ -180,10 +227,14 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         stream: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         model = self.served_model_name
         num_logprobs = self._num_logprobs(body)
         usage = UsageInfo()
+        tool_streams = {}
+        if plan.mode != "none":
+            tool_streams = {i: ToolCallStream(plan) for i in range(body.n)}
         try:
             # The role comes first, once per choice, as OpenAI sends it.
             for index in range(body.n):
@@ -197,11 +248,15 @@ class OpenAIServingChat(OpenAIServing):
                     usage.completion_tokens += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
+                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                    tool_stream = tool_streams.get(c.index)
+                    if tool_stream is not None:
+                        delta, finish_reason = _tool_delta(tool_stream, c)
                     choice = ChatStreamChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=c.text),
+                        delta=delta,
                         logprobs=self._choice_logprobs(c, num_logprobs),
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=c.stop_reason,
                     )
                     chunk = ChatCompletionChunk(id=request_id, model=model, choices=[choice])
@@ -213,3 +268,17 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
             yield sse(stream_error(e, request_id))
         yield sse("[DONE]")
+
+
+def _tool_delta(stream: ToolCallStream, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+    """A choice's next delta when it may call tools: content and calls as they become certain;
+    the last one carries what the finished text still holds."""
+    content, calls = stream.feed(c.text)
+    finish_reason = c.finish_reason
+    if finish_reason is not None:
+        more_content, more_calls = stream.finish()
+        content = (content or "") + (more_content or "") or None
+        calls += more_calls
+        if stream.num_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return DeltaMessage(content=content, tool_calls=calls or None), finish_reason
