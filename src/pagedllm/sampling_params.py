@@ -33,7 +33,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs json must be a JSON schema object")

@@ -87,10 +87,20 @@ class StructuredOutputManager:
 def json_schema_error(schema: dict) -> str | None:
     """Why llguidance cannot compile this JSON schema, or None (no tokenizer needed)."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_schema_text(schema))
     except ValueError as e:
         return str(e)
     return llguidance.LLMatcher.validate_grammar(grammar) or None
+
+
+def _schema_text(schema: dict) -> str:
+    """The schema as JSON text. llguidance is handed text, never the dict: converting a deeply
+    nested dict recurses in native code and overflows its stack (a crash, at ~10,000 levels),
+    while text goes through a parser with a depth limit that reports an error."""
+    try:
+        return json.dumps(schema)
+    except (RecursionError, TypeError, ValueError) as e:
+        raise ValueError(f"the JSON schema cannot be serialized: {e}") from None
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:
@@ -101,7 +111,9 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         if not params.disable_any_whitespace:
             options = {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE}
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                _schema_text(schema), defaults=options
+            )
         except ValueError as e:  # not JSON, or not an object
             raise ValueError(f"invalid json schema for structured outputs: {e}") from None
     if kind == "regex":
@@ -123,6 +135,8 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
 def grammar_bitmask(grammars: list[Grammar]) -> torch.Tensor:
     """[len(grammars), vocab / 32] int32: bit t of row i set iff grammar i allows token t."""
     bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
+    # One row after another: llguidance's thread pool (fill_next_token_bitmask_par) measured
+    # slower here (2 cores, shared with torch's threads): 3.4 vs 1.7 ms a step for 8 rows.
     for row, grammar in enumerate(grammars):
         llguidance.torch.fill_next_token_bitmask(grammar.matcher, bitmask, row)
     return bitmask

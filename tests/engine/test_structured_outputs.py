@@ -263,3 +263,33 @@ def test_sampler_only_draws_allowed_tokens():
             assert sampled[0] in allowed[0] and sampled[1] == 31
         if temperature == 0:
             assert sampled[2] == int(logits[2].argmax())  # the unconstrained row is unchanged
+
+
+@pytest.mark.slow
+def test_ignore_eos_keeps_an_open_grammar_going(llm):
+    # "[a-z ]+" accepts at every step: EOS is allowed there, and the model takes it early
+    # unless ignore_eos masks it (the grammar would otherwise consume it as its end).
+    prompts = [chat_prompt(llm, q) for q in ("What do cats like?", "Tell me about the sea.")]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=48,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(regex="[a-z ]+"),
+    )
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 48
+        assert re.fullmatch("[a-z ]+", out.outputs[0].text)
+
+
+@pytest.mark.parametrize("depth", [200, 20_000])
+def test_a_deeply_nested_schema_is_an_error_not_a_crash(depth):
+    # Handed to llguidance as a dict, 10,000 levels overflowed its native stack (a segfault).
+    from pagedllm.structured_output import _grammar_text, json_schema_error
+
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    assert json_schema_error(schema)  # a message
+    with pytest.raises(ValueError):
+        _grammar_text(StructuredOutputsParams(json=schema))

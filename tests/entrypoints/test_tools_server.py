@@ -102,6 +102,13 @@ SCHEMAS = {
 }
 
 
+def deep_schema(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.fixture(scope="module")
 def server():
     flags = [*FLAGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
@@ -325,6 +332,7 @@ def test_multi_turn_with_a_tool_result(client, server):
             ),  # noqa: E501
             "invalid json",
         ),
+        (dict(extra_body={"guided_json": deep_schema(300)}), "recursion limit"),
         (dict(extra_body={"guided_regex": "a(b"}), "invalid regex"),
         (dict(extra_body={"guided_grammar": "start: nothing_here"}), "invalid grammar"),
         (dict(extra_body={"guided_choice": []}), "non-empty list"),

@@ -352,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         sliding_window,
         soak,
         step,
+        structured,
         throughput,
     )
     from pagedllm.benchmarks import serve as serve_bench
@@ -379,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
          "batching side by side: output tokens/s at each concurrency, single-stream decode"),
         ("step", step, "where an engine step's time goes: schedule, input preparation, forward, "
          "sampling, output processing; prefill speed; schedule() at 256 running; MFU"),
+        ("structured", structured, "a batch with and without grammar-constrained requests: "
+         "throughput, mask time per step, unconstrained outputs unchanged"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)

@@ -129,10 +129,14 @@ class SamplingMetadata:
         bias_values: list[float] = []
         for i, r in enumerate(requests):
             p = r.sampling_params
+            ids = set()
             if r.num_output_tokens < p.min_tokens:
-                ids = set(p.stop_token_ids)
+                ids.update(p.stop_token_ids)
                 if not p.ignore_eos:
                     ids.update(r.eos_token_ids)
+            if p.ignore_eos and r.grammar is not None:
+                ids.update(r.eos_token_ids)  # the grammar would take EOS as its end
+            if ids:
                 ids = [t for t in ids if t < vocab_size]
                 mask_rows += [i] * len(ids)
                 mask_ids += ids
