@@ -183,3 +183,11 @@ def test_required_calls_stream_as_each_one_completes():
     assert [d.index for d in sent] == [0, 1]
     assert [d.function.name for d in sent] == ["get_weather", "get_time"]
     assert json.loads(sent[0].function.arguments) == {"city": "Paris ]}"}
+
+
+def test_a_function_without_parameters_takes_an_empty_object():
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    schema = plan(tools=tools, tool_choice={"function": {"name": "now"}}).structured_outputs().json
+    jsonschema.validate({}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"x": 1}, schema)

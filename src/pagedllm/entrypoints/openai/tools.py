@@ -35,7 +35,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import json_schema_error
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
-_NO_ARGUMENTS = {"type": "object", "properties": {}}
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_call_id() -> str:
