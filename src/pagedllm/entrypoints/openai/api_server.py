@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import OpenAIError, ServerLimits, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tools import offered_tools
 
 logger = logging.getLogger("pagedllm")
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -235,7 +236,8 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give either prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = chat.render(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+            tools = offered_tools(body.tools, chat.tool_call_parser)
+            ids = chat.render(body.messages, body.add_generation_prompt, tools)["prompt_token_ids"]
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=chat.max_model_len, tokens=ids)

@@ -239,6 +239,7 @@ class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered as a chat request with them would be
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

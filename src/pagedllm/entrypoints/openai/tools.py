@@ -83,11 +83,9 @@ class ToolPlan:
         return StructuredOutputsParams(json=schema)
 
 
-def plan_tools(
-    body: ChatCompletionRequest, enable_auto_tool_choice: bool, tool_call_parser: str | None
-) -> ToolPlan:
-    """Check the request's tools and tool_choice (OpenAIError for bad ones)."""
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+def offered_tools(tools: list | None, tool_call_parser: str | None) -> ToolPlan:
+    """The checked tools (OpenAIError for bad ones), shown to the model as with "auto"."""
+    tools = [t.model_dump(exclude_none=True) for t in tools or []]
     seen = set()
     for i, tool in enumerate(tools):
         function = tool["function"]
@@ -107,21 +105,29 @@ def plan_tools(
                 f"tools[{i}].function.parameters ({name}) is not a usable JSON schema: {error}",
                 param="tools",
             )
+    parser = get_tool_parser(tool_call_parser or "hermes")(seen)
+    return ToolPlan(mode="auto" if tools else "none", tools=tools, parser=parser)
+
+
+def plan_tools(
+    body: ChatCompletionRequest, enable_auto_tool_choice: bool, tool_call_parser: str | None
+) -> ToolPlan:
+    """Check the request's tools and tool_choice (OpenAIError for bad ones)."""
+    plan = offered_tools(body.tools, tool_call_parser)
+    plan.parallel = body.parallel_tool_calls
     choice = body.tool_choice
     if choice is None:
-        choice = "auto" if tools else "none"
-    if choice != "none" and not tools:
+        choice = plan.mode  # OpenAI's default: "auto" with tools, "none" without
+    if choice != "none" and not plan.tools:
         raise OpenAIError("tool_choice is only allowed when tools are given", param="tool_choice")
-    parser = get_tool_parser(tool_call_parser or "hermes")(seen)
-    plan = ToolPlan(tools=tools, parallel=body.parallel_tool_calls, parser=parser)
     if isinstance(choice, str):
         plan.mode = choice
     else:
         plan.mode, plan.named = "named", choice.function.name
-        if plan.named not in seen:
+        if plan.named not in plan.names:
             raise OpenAIError(
                 f"tool_choice names the function {plan.named!r}, which is not among the tools "
-                f"({', '.join(sorted(seen))})",
+                f"({', '.join(sorted(plan.names))})",
                 param="tool_choice",
             )
     if plan.mode == "auto" and not (enable_auto_tool_choice and tool_call_parser):
