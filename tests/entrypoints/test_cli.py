@@ -43,3 +43,29 @@ def test_bad_flag_value_is_a_clear_error_not_a_traceback():
     result = run(["generate", "--block-size", "0", "hello"])
     assert result.returncode == 2
     assert "block_size" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_a_json_schema_file_a_regex_and_a_bad_grammar(tmp_path):
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    question = "Which city is the capital of France? Answer in JSON."
+    result = run(["generate", "--json-schema", f"@{path}", *FLAGS, question])
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == {"city"}
+    result = run(["generate", "--regex", "[0-9]{3}", *FLAGS, "Pick a number."])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().isdigit() and len(result.stdout.strip()) == 3
+    result = run(["generate", "--grammar", "start: nothing", *FLAGS, "hi"])
+    assert result.returncode == 2 and "invalid grammar" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run(["generate", "--json-schema", "@/nonexistent.json", *FLAGS, "hi"])
+    assert result.returncode == 2 and "cannot read" in result.stderr

@@ -79,16 +79,41 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--repetition-penalty", type=float, default=1.0)
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+    constraint = group.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", "-j", metavar="SCHEMA",
+                            help="constrain the output to this JSON schema (JSON text, or @FILE)")
+    constraint.add_argument("--regex", help="constrain the output to this regular expression")
+    constraint.add_argument("--grammar", metavar="GRAMMAR",
+                            help="constrain the output to this grammar, Lark or llama.cpp's GBNF "
+                                 "(the text, or @FILE)")  # fmt: skip
 
 
 def sampling_params_from(ns: argparse.Namespace):
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
+    constraint = None
+    if ns.json_schema is not None:
+        constraint = StructuredOutputsParams(json=_text_or_file(ns.json_schema))
+    elif ns.regex is not None:
+        constraint = StructuredOutputsParams(regex=ns.regex)
+    elif ns.grammar is not None:
+        constraint = StructuredOutputsParams(grammar=_text_or_file(ns.grammar))
     return SamplingParams(
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
         min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, stop=ns.stop,
-        ignore_eos=ns.ignore_eos,
+        ignore_eos=ns.ignore_eos, structured_outputs=constraint,
     )  # fmt: skip
+
+
+def _text_or_file(value: str) -> str:
+    """`@path`: the file's text (as curl reads request bodies); anything else as it is."""
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
 
 
 def _stream(engine, prompt, params) -> tuple[str, int, float]:
