@@ -103,6 +103,12 @@ def _schema_text(schema: dict) -> str:
         raise ValueError(f"the JSON schema cannot be serialized: {e}") from None
 
 
+def lark_json(schema: dict) -> str:
+    """A Lark rule body matching JSON valid under `schema`, with pagedllm's JSON whitespace."""
+    options = {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE}
+    return f"%json {_schema_text({**schema, 'x-guidance': options})}"
+
+
 def _grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):

@@ -79,10 +79,33 @@ def test_required_choice_constrains_to_a_list_of_known_calls(parallel):
             jsonschema.validate([one, two], schema)
 
 
+def test_auto_with_hermes_constrains_calls_only_once_opened():
+    from pagedllm.model_loader import load_tokenizer, resolve_model
+    from pagedllm.structured_output import StructuredOutputManager
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    manager = StructuredOutputManager(tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    constraint = plan(tools=TOOLS).structured_outputs()
+    assert plan(tools=TOOLS, parser="json").structured_outputs() is None  # json: free text
+
+    def accepts(text):
+        grammar = manager.grammar(constraint)
+        for token_id in tokenizer.encode(text, add_special_tokens=False):
+            grammar.accept_token(token_id)
+        return grammar.error is None and grammar.matcher.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts("Sunny, 22 degrees < 30 {not json} [x] 😀")  # any text until a call opens
+    assert accepts(f"Let me check.\n{call}\nAnd {call.replace(chr(10), '')} done.")
+    assert not accepts(call.replace("get_weather", "nope"))
+    assert not accepts(call.replace('"city"', '"town"'))
+    assert not accepts("<tool_call> not json")
+
+
 def test_named_choice_constrains_to_the_function_arguments():
     p = plan(tools=TOOLS, tool_choice={"function": {"name": "get_time"}})
     assert p.structured_outputs().json == TOOLS[1]["function"]["parameters"]
-    assert plan(tools=TOOLS).structured_outputs() is None  # auto: free text
+    assert plan(tools=TOOLS, parser="json").structured_outputs() is None  # auto, json: free
 
 
 HISTORY = [

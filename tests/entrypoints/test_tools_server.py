@@ -287,6 +287,24 @@ def test_auto_tool_choice_reads_hermes_calls(client, stream):
     assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_constrained_once_opened(client, server, stream):
+    """The default model does not call tools on its own; a logit bias on the tokens of
+    `<tool_call>` makes it open calls, and from there the lazy grammar holds every call to one
+    of the tools' schemas (the bias leaks into the string values, where it is allowed)."""
+    body = {"prompt": "<tool_call>", "add_special_tokens": False}
+    tag = httpx.post(f"{server}/tokenize", json=body).json()["tokens"]
+    kwargs = dict(tool_choice="auto", logit_bias={str(t): 6 for t in tag}, max_tokens=120)
+    if stream:
+        calls, _, _ = stream_calls(client, ASK_WEATHER, **kwargs)
+    else:
+        calls = chat(client, ASK_WEATHER, tools=TOOLS, **kwargs).choices[0].message.tool_calls
+    assert calls
+    tools = {t["function"]["name"]: t for t in TOOLS}
+    for call in calls:
+        check_arguments(call, tools[call.function.name])
+
+
 def test_multi_turn_with_a_tool_result(client, server):
     response = chat(
         client,

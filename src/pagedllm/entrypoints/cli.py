@@ -80,8 +80,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     constraint = group.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", "-j", metavar="SCHEMA",
-                            help="constrain the output to this JSON schema (JSON text, or @FILE)")
+    constraint.add_argument(
+        "--json-schema",
+        "-j",
+        metavar="SCHEMA",
+        help="constrain the output to this JSON schema (JSON text, or @FILE)",
+    )
     constraint.add_argument("--regex", help="constrain the output to this regular expression")
     constraint.add_argument("--grammar", metavar="GRAMMAR",
                             help="constrain the output to this grammar, Lark or llama.cpp's GBNF "

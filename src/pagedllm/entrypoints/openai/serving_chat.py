@@ -112,10 +112,13 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _constrain_tool_calls(plan: ToolPlan, params) -> None:
-        """ "required" and named tool choices: the call's JSON constrains the output."""
+        """Constrain the output so that tool calls parse: "required" and named choices always,
+        "auto" (hermes) unless the request constrains its output itself or uses beam search."""
         constraint = plan.structured_outputs()
         if constraint is None:
             return
+        if plan.mode == "auto" and (params.structured_outputs or params.use_beam_search):
+            return  # free text; the parser still reads any calls in it
         if params.structured_outputs is not None:
             raise OpenAIError(
                 f'tool_choice "{plan.mode}" constrains the output itself: it cannot be combined '

@@ -32,7 +32,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall as ParsedCall
 from pagedllm.model_loader.chat_template import template_variables
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output import json_schema_error
+from pagedllm.structured_output import json_schema_error, lark_json
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -63,12 +63,11 @@ class ToolPlan:
         return tool["function"].get("parameters") or _NO_ARGUMENTS
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The constraint that makes a "required" or named call parse."""
+        """The constraint that makes the calls parse: "required" and named always; "auto" with
+        the hermes parser from the moment the model opens a call."""
         if self.mode == "named":
             return StructuredOutputsParams(json=self.parameters(self.named))
-        if self.mode != "required":
-            return None
-        call = [
+        calls = [
             {
                 "type": "object",
                 "properties": {"name": {"const": name}, "arguments": self.parameters(name)},
@@ -77,10 +76,30 @@ class ToolPlan:
             }
             for name in self.names
         ]
-        schema = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+        if self.mode == "auto" and isinstance(self.parser, HermesToolParser):
+            return StructuredOutputsParams(grammar=_lazy_hermes_grammar(calls))
+        if self.mode != "required":
+            return None
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
+
+
+def _lazy_hermes_grammar(calls: list[dict]) -> str:
+    """Free text, in which each `<tool_call>` must go on into one of `calls` and its closing
+    tag (llguidance's lazy lexeme: TEXT ends at the first `<tool_call>`). Like llama.cpp's lazy
+    grammars: nothing is constrained until the model opens a call."""
+    alternatives = " | ".join(f"call_{i}" for i in range(len(calls)))
+    return "\n".join(
+        [
+            "start: tool_call* TEXT",
+            "TEXT: /(.|\\n)*/",
+            'call_head[lazy]: TEXT "<tool_call>"',
+            f'tool_call: call_head "\\n"? ({alternatives}) "\\n"? "</tool_call>"',
+            *(f"call_{i}: {lark_json(call)}" for i, call in enumerate(calls)),
+        ]
+    )
 
 
 def offered_tools(tools: list | None, tool_call_parser: str | None) -> ToolPlan:
