@@ -2,9 +2,11 @@
 the chat template sees it, and the calls read back from the output (whole or streamed).
 
 tool_choice "auto" lets the model answer freely; the configured parser (--tool-call-parser)
-finds calls in its text. "required" and a named function go through structured outputs instead,
-so the call always parses: a JSON array of {"name", "arguments"} objects (at least one; one only
-without parallel_tool_calls) for "required", the function's arguments object for a named one.
+finds calls in its text (with hermes, a lazy grammar holds each call to the tools' schemas once
+the model opens it). "required" and a named function go through structured outputs from the
+first token, so the call always parses: a JSON array of {"name", "arguments"} objects (at least
+one; one only without parallel_tool_calls) for "required", the function's arguments object for
+a named one.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class ToolPlan:
     tools: list[dict] = field(default_factory=list)  # OpenAI tool dicts
     named: str | None = None  # the function of a named tool_choice
     parallel: bool = True
-    # "auto": finds the calls in the text. The others: writes earlier calls into the history of
-    # a template that does not render tools itself (any parser's format will do there).
+    # Finds the calls in "auto" output, and writes the tools and earlier calls into the prompt
+    # of a template that does not render tools itself (hermes when no parser is configured).
     parser: ToolParser = field(default_factory=HermesToolParser)
 
     @property
