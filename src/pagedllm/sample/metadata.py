@@ -8,6 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pagedllm import structured_output
 from pagedllm.request import Request
 
 
@@ -150,10 +151,8 @@ class SamplingMetadata:
         grammar_bitmask = None
         grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if grammar_rows:
-            from pagedllm.structured_output import grammar_bitmask as fill_bitmask
-
             grammars = [requests[i].grammar for i in grammar_rows]
-            grammar_bitmask = (longs(grammar_rows), fill_bitmask(grammars))
+            grammar_bitmask = (longs(grammar_rows), structured_output.grammar_bitmask(grammars))
 
         # best_of > n ranks samples by cumulative logprob, so it needs the sampled token's.
         num_logprobs = [
