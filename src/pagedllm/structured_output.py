@@ -50,7 +50,10 @@ class Grammar:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        """The matcher's error, first line (the rest is llguidance's parser state dump)."""
+        if not self.matcher.is_error():
+            return None
+        return self.matcher.get_error().split("\n", 1)[0]
 
     def fork(self) -> Grammar:
         return Grammar(self.matcher.deep_copy(), self.vocab_size)
@@ -81,7 +84,16 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, _grammar_text(params), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {params.kind} for structured outputs: {matcher.get_error()}")
-        return Grammar(matcher, self.ll_tokenizer.vocab_size)
+        grammar = Grammar(matcher, self.ll_tokenizer.vocab_size)
+        # A constraint whose language is empty (`start: start`, a schema that only refers to
+        # itself) compiles, then allows no first token: refuse it now, not mid-decode.
+        grammar_bitmask([grammar])
+        if grammar.error is not None or grammar.is_terminated():
+            raise ValueError(
+                f"the {params.kind} for structured outputs admits no output "
+                f"({grammar.error or 'it can only be empty'})"
+            )
+        return grammar
 
 
 def json_schema_error(schema: dict) -> str | None:

@@ -197,6 +197,9 @@ def test_preempted_constrained_requests_resume_their_grammar(mode):
         (dict(json={"type": "objectx"}), "invalid json for structured outputs"),
         (dict(regex="a(b"), "invalid regex for structured outputs"),
         (dict(grammar="start: undefined_rule"), "invalid grammar for structured outputs"),
+        # Compile, but their language is empty: the first token would have nowhere to go.
+        (dict(grammar="start: start"), "grammar for structured outputs admits no output"),
+        (dict(json={"$ref": "#"}), "json for structured outputs admits no output"),
     ],
 )
 def test_a_bad_constraint_is_refused_at_admission(llm, kind, message):
