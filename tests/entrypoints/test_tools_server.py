@@ -189,6 +189,41 @@ def test_json_object_and_vllm_constraints_on_both_endpoints(client):
         assert check(completion.choices[0].text), (extra, completion.choices[0].text)
 
 
+def test_the_sdk_parse_helpers_work(client):
+    """`client.chat.completions.parse` with a pydantic model (response_format json_schema,
+    strict) and with `openai.pydantic_function_tool` (a strict tool), as applications use them."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        size: Literal["small", "medium", "large"]
+
+    ask = [{"role": "user", "content": "Describe Paris in JSON."}]
+    out = client.chat.completions.parse(
+        model=None, messages=ask, response_format=City, temperature=0, max_tokens=100
+    )
+    city = out.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=30)
+
+    out = client.chat.completions.parse(
+        model=None,
+        messages=ASK_WEATHER,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=100,
+    )
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
 def test_a_cut_output_reports_length(client):
     out = chat(
         client,
