@@ -142,8 +142,8 @@ def _stream(engine, prompt, params) -> tuple[str, int, float]:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
 
+    params = sampling_params_from(ns)  # bad sampling flags fail before the model loads
     engine = LLMEngine(engine_args_from(ns))
-    params = sampling_params_from(ns)
     prompt = ns.prompt if ns.prompt is not None else sys.stdin.read()
     if ns.chat_template_off:
         full_prompt = prompt
@@ -169,8 +169,8 @@ def _chat_prompt(engine, messages) -> dict:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
 
+    params = sampling_params_from(ns)  # bad sampling flags fail before the model loads
     engine = LLMEngine(engine_args_from(ns))
-    params = sampling_params_from(ns)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
     print("Type a message and press Enter; an empty line, 'exit' or Ctrl-D quits.", file=sys.stderr)
     while True:
