@@ -108,6 +108,32 @@ def test_bad_input_raises_in_the_caller_and_the_engine_goes_on(tiny):
         aengine.shutdown()
 
 
+def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
+    """A stream whose event loop is gone (a client that vanished with its loop, as a test
+    client's per-request loop does) cannot take outputs: its request is aborted and the engine
+    goes on serving. Before, the RuntimeError from the closed loop stopped the engine loop."""
+    import time
+
+    from pagedllm.engine.async_llm_engine import _Stream
+
+    aengine = AsyncLLMEngine(make_engine(tiny, max_model_len=32))
+    try:
+        closed = asyncio.new_event_loop()
+        closed.close()
+        for request_id, prompt in (("bad", list(range(3, 40))), ("good", PROMPTS[0])):
+            aengine._streams[request_id] = _Stream(closed, asyncio.Queue())
+            aengine._commands.put(("add", request_id, prompt, GREEDY, time.time(), False, None))
+        outputs = asyncio.run(collect(aengine, PROMPTS[1], "after"))
+        assert outputs[-1].finished and aengine.dead_error is None
+        deadline = time.time() + 10
+        while not idle_and_clean(aengine.engine) and time.time() < deadline:
+            time.sleep(0.05)
+        assert idle_and_clean(aengine.engine)  # "good" was aborted, its blocks freed
+        assert "good" not in aengine._streams
+    finally:
+        aengine.shutdown()
+
+
 def test_a_dead_loop_fails_open_streams_and_later_calls(tiny):
     engine = make_engine(tiny)
     aengine = AsyncLLMEngine(engine)

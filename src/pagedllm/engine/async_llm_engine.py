@@ -42,8 +42,14 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand `item` to the client's event loop; False when that loop is closed (the client
+        is gone: nothing will read it, and raising here would stop the engine for everyone)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
 
 class AsyncLLMEngine:
@@ -146,10 +152,10 @@ class AsyncLLMEngine:
                         stream = self._streams.get(output.request_id)
                         if stream is None:
                             continue
-                        if output.error is not None:
-                            stream.put(RequestFailedError(output.error))
-                        else:
-                            stream.put(output)
+                        item = output if output.error is None else RequestFailedError(output.error)
+                        if not stream.put(item) and not output.finished:
+                            self._streams.pop(output.request_id, None)
+                            engine.abort_request(output.request_id)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the clients
             logger.exception("the engine loop died")
             self.dead_error = e
