@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # Whitespace JSON output may hold between tokens. Not unbounded: a small model can otherwise
 # emit newlines until max_tokens and never close the object.
-_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 
 
 class Grammar:
@@ -117,17 +117,14 @@ def _schema_text(schema: dict) -> str:
 
 def lark_json(schema: dict) -> str:
     """A Lark rule body matching JSON valid under `schema`, with pagedllm's JSON whitespace."""
-    options = {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE}
-    return f"%json {_schema_text({**schema, 'x-guidance': options})}"
+    return f"%json {_schema_text({**schema, 'x-guidance': _JSON_OPTIONS})}"
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else params.json
-        options = {"whitespace_flexible": False}
-        if not params.disable_any_whitespace:
-            options = {"whitespace_flexible": True, "whitespace_pattern": _JSON_WHITESPACE}
+        options = {"whitespace_flexible": False} if params.disable_any_whitespace else _JSON_OPTIONS
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 _schema_text(schema), defaults=options
@@ -143,7 +140,8 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in params.choice)
         )
-    # Lark (llguidance's syntax) or llama.cpp's GBNF, told apart by GBNF's `::=`.
+    # Lark (llguidance's syntax) when it has a `start:` rule or `%llguidance`, else llama.cpp's
+    # GBNF (converted to Lark).
     try:
         return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:
@@ -168,7 +166,5 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: tor
     vocab = logits.shape[1]
     bitmask = bitmask.to(logits.device, non_blocking=True)
     allowed = (bitmask.unsqueeze(-1) & _BIT.to(logits.device)) != 0  # [rows, words, 32]
-    disallowed = ~allowed.flatten(1)
-    if disallowed.shape[1] < vocab:  # (never: the bitmask covers the model's vocabulary)
-        raise ValueError(f"a grammar bitmask of {disallowed.shape[1]} tokens for {vocab} logits")
+    disallowed = ~allowed.flatten(1)  # at least the model's vocabulary wide (see ll_tokenizer)
     logits[rows] = logits[rows].masked_fill_(disallowed[:, :vocab], float("-inf"))
