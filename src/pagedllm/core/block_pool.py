@@ -120,6 +120,15 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached_block_hash_to_block)
 
+    def snapshot(self) -> dict:
+        """Every block's reference count and the ids of the blocks in the prefix cache (in use
+        or free): what the dashboard draws. O(num_blocks), so only taken when asked."""
+        return {
+            "num_blocks": self.num_blocks,
+            "ref_cnt": [b.ref_cnt for b in self.blocks],
+            "cached": sorted(b.block_id for b in self.cached_block_hash_to_block.values()),
+        }
+
     # -- checks ---------------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[list[KVCacheBlock]]) -> None:
         """free + in use == total, every ref count equals the number of tables holding the

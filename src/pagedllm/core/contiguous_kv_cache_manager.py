@@ -255,6 +255,21 @@ class ContiguousKVCacheManager:
     def get_group_block_ids(self, seq_id: str) -> list[list[int]]:
         return [self.get_block_ids(seq_id)]
 
+    def block_tables(self, seq_id: str) -> tuple[list[list[int]], bool]:
+        return [self.get_block_ids(seq_id)], False
+
+    def snapshot(self) -> dict:
+        """As KVCacheManager.snapshot; the blocks of a region that hold no token yet are
+        "reserved": taken from everyone else, used by no one (what paging does away with)."""
+        ref_cnt = [0] * self.num_blocks
+        reserved = []
+        for seq_id, (start, num_blocks) in self.regions.items():
+            used = len(self.req_to_blocks[seq_id])
+            ref_cnt[start : start + used] = [1] * used
+            reserved.extend(range(start + used, start + num_blocks))
+        device = {"num_blocks": self.num_blocks, "ref_cnt": ref_cnt, "cached": []}
+        return {"device": device, "swap": None, "reserved": sorted(reserved)}
+
     @property
     def num_logical_blocks(self) -> int:
         return sum(len(t) for t in self.req_to_blocks.values())

@@ -496,6 +496,23 @@ class KVCacheManager:
         """One block table per group; released entries read as block 0 (never attended to)."""
         return [[b.block_id for b in g.req_to_blocks.get(seq_id, ())] for g in self.groups]
 
+    def block_tables(self, seq_id: str) -> tuple[list[list[int]], bool]:
+        """The sequence's block ids, one table per group (-1: an entry released by a sliding
+        window), and True when they are swap-space blocks (the sequence is swapped out)."""
+        swapped = seq_id in self.groups[0].swapped_blocks
+        tables = [g.swapped_blocks if swapped else g.req_to_blocks for g in self.groups]
+        return [
+            [-1 if b is NULL_BLOCK else b.block_id for b in t.get(seq_id, ())] for t in tables
+        ], swapped
+
+    def snapshot(self) -> dict:
+        """The device pool and the swap space block by block (see BlockPool.snapshot)."""
+        return {
+            "device": self.block_pool.snapshot(),
+            "swap": self.cpu_block_pool.snapshot() if self.cpu_block_pool else None,
+            "reserved": [],
+        }
+
     @property
     def num_logical_blocks(self) -> int:
         """Blocks the sequences would hold without any sharing (live table entries)."""

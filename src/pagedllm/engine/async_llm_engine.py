@@ -15,6 +15,7 @@ a `RequestFailedError`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -123,6 +124,16 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def kv_snapshot(self, check: bool = False) -> dict:
+        """`LLMEngine.kv_snapshot`, taken by the loop between two steps (the pool is never seen
+        half-updated); it waits at most one step."""
+        self.check_health()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("snapshot", future, check))
+        if self._loop_done.is_set():  # stopped after the check: nobody will take the command
+            self.check_health()
+        return await asyncio.wrap_future(future)
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort whatever is in flight and stop the loop."""
         self._stopping = True
@@ -138,6 +149,17 @@ class AsyncLLMEngine:
         finally:
             self.engine.shutdown()  # tensor-parallel workers stop with the loop
             self._loop_done.set()
+            self._fail_pending_snapshots()
+
+    def _fail_pending_snapshots(self) -> None:
+        """Snapshots asked for after the last command the loop took (their callers wait)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "snapshot" and command[1].set_running_or_notify_cancel():
+                command[1].set_exception(EngineDeadError("the engine loop has stopped"))
 
     def _run(self) -> None:
         engine = self.engine
@@ -185,6 +207,14 @@ class AsyncLLMEngine:
                 return False
             if kind == "abort":
                 engine.abort_request(command[1])
+                continue
+            if kind == "snapshot":
+                _, future, check = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(engine.kv_snapshot(check))
+                    except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
+                        future.set_exception(e)
                 continue
             _, request_id, prompt, params, arrival, delta, cache_salt = command
             stream = self._streams.get(request_id)

@@ -28,6 +28,7 @@ from pagedllm.distributed.workers import (
     stop_workers,
 )
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.kv_snapshot import kv_snapshot
 from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
 from pagedllm.layers.quantization import quantize_model, weight_bytes
 from pagedllm.model_loader import load_model
@@ -229,6 +230,10 @@ class LLMEngine:
         # tokens sampled; for throughput logs.
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # Requests that got their first token, and the sum of their times to it (a mean TTFT
+        # over any interval from two readings).
+        self.num_first_tokens_total = 0
+        self.time_to_first_token_seconds_total = 0.0
         self._states: dict[str, _RequestState] = {}
         self._request_counter = itertools.count()
 
@@ -563,6 +568,8 @@ class LLMEngine:
                 continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+                self.num_first_tokens_total += 1
+                self.time_to_first_token_seconds_total += max(0.0, now - group.arrival_time)
             state.metrics.last_token_time = now
             if not group.is_beam_search:
                 try:
@@ -633,10 +640,17 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_prompt_tokens_total": self.num_prompt_tokens_total,
             "num_generation_tokens_total": self.num_generation_tokens_total,
+            "num_first_tokens_total": self.num_first_tokens_total,
+            "time_to_first_token_seconds_total": self.time_to_first_token_seconds_total,
             "num_copied_blocks": self.runner.num_copied_blocks,
             "num_swapped_out_blocks": self.runner.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.runner.num_swapped_in_blocks,
         }
+
+    def kv_snapshot(self, check: bool = False) -> dict:
+        """The KV cache block by block, the requests' block tables and the counters (see
+        engine/kv_snapshot.py); `check` adds the integrity check's verdict."""
+        return kv_snapshot(self, check)
 
     def _process_samples(self, state: _RequestState) -> None:
         """Detokenize each sequence's new tokens; a matched stop string ends that sequence."""

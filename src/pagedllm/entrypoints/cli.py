@@ -233,6 +233,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         log_requests=ns.enable_log_requests,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
+        enable_dashboard=ns.enable_dashboard,
     )
     return 0
 
@@ -300,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require this Bearer key on every route but /health (or "
                             "$PAGEDLLM_API_KEY)")  # fmt: skip
+    serve.add_argument("--no-dashboard", dest="enable_dashboard", action="store_false",
+                       help="do not serve the live KV-cache dashboard (/dashboard and its JSON, "
+                            "/debug/kv)")  # fmt: skip
     serve.add_argument("--disable-metrics-auth", action="store_true",
                        help="with --api-key, leave /metrics open too (for a scraper)")  # fmt: skip
     serve.add_argument("--enable-log-requests", action="store_true",

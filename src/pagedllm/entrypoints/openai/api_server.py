@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
 import hmac
@@ -20,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -105,6 +108,17 @@ class BodySizeLimit:
         )
 
 
+def _basic_auth_password(authorization: str) -> bytes:
+    """The password of an HTTP Basic `Authorization` header; b"" if it is not one."""
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return b""
+    try:
+        return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
+    except (binascii.Error, ValueError):
+        return b""
+
+
 async def _no_body():
     return {"type": "http.disconnect"}
 
@@ -121,13 +135,15 @@ def build_app(
     log_requests: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    enable_dashboard: bool = True,
 ) -> FastAPI:
     """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines);
     `max_waiting_requests`: a request that would queue more is refused with 503; `limits`:
     what one request may ask for; with an `api_key`, every route but /health needs it (and
     /metrics unless `metrics_need_api_key` is False); `log_requests`: log each request's
     prompts and parameters (off: prompts never reach the log); `enable_auto_tool_choice`:
-    tool_choice "auto" allowed, its calls read by the `tool_call_parser` (hermes or json)."""
+    tool_choice "auto" allowed, its calls read by the `tool_call_parser` (hermes or json);
+    `enable_dashboard`: serve the live KV-cache dashboard (/dashboard, /debug/kv)."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     limits = limits or ServerLimits()
 
@@ -136,12 +152,14 @@ def build_app(
         task = None
         if log_stats_interval:
             task = asyncio.create_task(log_stats(async_engine.engine, log_stats_interval))
-        yield
+        async with dashboard.running(history):
+            yield
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    history = dashboard.add_dashboard(app, async_engine) if enable_dashboard else None
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
     metrics = RequestMetrics(registry, served_model_name)
@@ -183,13 +201,26 @@ def build_app(
         # nothing about the key, not even its length.
         expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
 
+        expected_key = hashlib.sha256(api_key.encode()).digest()
+
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path not in open_paths:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(hashlib.sha256(given).digest(), expected):
+            path = request.url.path
+            if request.method != "OPTIONS" and path not in open_paths:
+                given = request.headers.get("authorization", "")
+                ok = hmac.compare_digest(hashlib.sha256(given.encode()).digest(), expected)
+                if not ok and path in dashboard.DASHBOARD_PATHS:
+                    # A browser cannot send a Bearer header when it opens a page: the dashboard
+                    # also takes HTTP Basic auth with the key as password (any user name), and
+                    # the 401 asks the browser for it.
+                    password = _basic_auth_password(given)
+                    ok = hmac.compare_digest(hashlib.sha256(password).digest(), expected_key)
+                if not ok:
                     body = error_body("invalid or missing API key", 401)
-                    return JSONResponse(body, status_code=401)
+                    headers = None
+                    if path in dashboard.DASHBOARD_PATHS:
+                        headers = {"WWW-Authenticate": 'Basic realm="pagedllm", charset="UTF-8"'}
+                    return JSONResponse(body, status_code=401, headers=headers)
             return await call_next(request)
 
     if limits.max_request_body_bytes is not None:
@@ -296,6 +327,7 @@ def run_server(
     log_requests: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    enable_dashboard: bool = True,
 ) -> None:
     """Serve until Ctrl-C or SIGTERM (uvicorn's handlers): running requests get `grace`
     seconds to finish, then the engine loop stops."""
@@ -311,6 +343,7 @@ def run_server(
         log_requests,
         enable_auto_tool_choice,
         tool_call_parser,
+        enable_dashboard,
     )
     # uvicorn cancels what still runs 5 s after the engine stopped (a backstop).
     config = uvicorn.Config(
@@ -318,6 +351,8 @@ def run_server(
     )
     server = _Server(config, async_engine, grace)
     logger.info("serving %s at http://%s:%d/v1", served_model_name, host, port)
+    if enable_dashboard:
+        logger.info("KV-cache dashboard at http://%s:%d/dashboard", host, port)
     if not async_engine.has_loop_thread:
         _serve_with_the_loop_here(server, async_engine)
     else:
