@@ -376,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks import (
         block_size,
+        dashboard,
         load,
         peers,
         preemption,
@@ -415,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
          "sampling, output processing; prefill speed; schedule() at 256 running; MFU"),
         ("structured", structured, "a batch with and without grammar-constrained requests: "
          "throughput, mask time per step, unconstrained outputs unchanged"),
+        ("dashboard", dashboard, "what the KV dashboard's snapshots cost the step loop: a "
+         "batch with none, one every 0.2 s and one every step"),
     ):  # fmt: skip
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)
