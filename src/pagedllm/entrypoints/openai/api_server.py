@@ -200,24 +200,25 @@ def build_app(
         # Digests of equal length, compared in constant time: how long a check takes says
         # nothing about the key, not even its length.
         expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+        expected_password = hashlib.sha256(api_key.encode()).digest()
 
-        expected_key = hashlib.sha256(api_key.encode()).digest()
+        def authorized(path: str, header: str) -> bool:
+            if hmac.compare_digest(hashlib.sha256(header.encode()).digest(), expected):
+                return True
+            if path not in dashboard.DASHBOARD_PATHS:
+                return False
+            # A browser cannot send a Bearer header when it opens a page: the dashboard also
+            # takes HTTP Basic auth with the key as password (any user name).
+            password = hashlib.sha256(_basic_auth_password(header)).digest()
+            return hmac.compare_digest(password, expected_password)
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
             path = request.url.path
             if request.method != "OPTIONS" and path not in open_paths:
-                given = request.headers.get("authorization", "")
-                ok = hmac.compare_digest(hashlib.sha256(given.encode()).digest(), expected)
-                if not ok and path in dashboard.DASHBOARD_PATHS:
-                    # A browser cannot send a Bearer header when it opens a page: the dashboard
-                    # also takes HTTP Basic auth with the key as password (any user name), and
-                    # the 401 asks the browser for it.
-                    password = _basic_auth_password(given)
-                    ok = hmac.compare_digest(hashlib.sha256(password).digest(), expected_key)
-                if not ok:
+                if not authorized(path, request.headers.get("authorization", "")):
                     body = error_body("invalid or missing API key", 401)
-                    headers = None
+                    headers = None  # on the dashboard, the browser asks for the key
                     if path in dashboard.DASHBOARD_PATHS:
                         headers = {"WWW-Authenticate": 'Basic realm="pagedllm", charset="UTF-8"'}
                     return JSONResponse(body, status_code=401, headers=headers)
