@@ -33,11 +33,11 @@ chat: setup
 # Debian's Chromium for the dashboard's browser test (Playwright drives it; no browser is
 # downloaded). Where it cannot be installed (not root, no apt-get) that one test is skipped,
 # except under CI, where it fails.
+NO_CHROMIUM := chromium is not installed and cannot be installed here: the browser test is skipped
 browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get \
 		>/dev/null 2>&1 && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
-		install -y -qq --no-install-recommends chromium >/dev/null; } || echo "chromium is \
-		not installed and cannot be installed here: the dashboard's browser test is skipped"
+		install -y -qq --no-install-recommends chromium >/dev/null; } || echo "$(NO_CHROMIUM)"
 
 # The whole suite, real-model tests included: what CI runs.
 test: setup browser

@@ -86,7 +86,7 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
     try:
         for t in threads:
             t.start()
-        deadline = time.time() + 90
+        deadline = time.time() + 240  # about 10 s on an idle 2-core machine
         while True:  # the page comes up once requests share blocks and the pool overflowed
             snap = http.get("/debug/kv").json()
             running = [r for r in snap["requests"] if r["status"] == "running"]
@@ -112,7 +112,7 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
                 """() => { const d = window.pagedllmDashboard;
                            return d.updates >= 3 && d.drawn.shared > 0 && d.tableEntries > 0
                                   && d.swapDrawn.used > 0; }""",
-                timeout=30_000,
+                timeout=60_000,
             )
             drawn = page.evaluate(
                 """() => { const d = window.pagedllmDashboard, snap = d.snapshot;
@@ -125,6 +125,7 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
                   const free = snap.pool.ref_cnt.findIndex((c, b) => c === 0
                       && !snap.pool.cached.includes(b));
                   return { drawn: d.drawn, counts: snap.pool.counts, cell: l.cell,
+                    cols: l.cols, shared,
                     swapDrawn: d.swapDrawn, swapCounts: snap.swap.counts,
                     sharedEdge: pixel(shared, 2, 2), freeMiddle: free < 0 ? null
                       : pixel(free, l.cell / 2, l.cell / 2),
@@ -137,6 +138,27 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             screenshot = ARTIFACTS / "dashboard.png"
             page.screenshot(path=str(screenshot), full_page=True)
+            # Hovering a block names it; hovering a request dims every block but its own.
+            box = page.locator("#pool").bounding_box()
+            b, cell = drawn["shared"], drawn["cell"]
+            page.mouse.move(
+                box["x"] + (b % drawn["cols"] + 0.5) * cell,
+                box["y"] + (b // drawn["cols"] + 0.5) * cell,
+            )
+            tooltip = page.locator("#tooltip").text_content()
+            page.hover("#requests tr[data-request]")
+            highlight = page.evaluate(
+                """() => { const d = window.pagedllmDashboard, snap = d.snapshot;
+                  const canvas = document.getElementById("pool"), l = canvas.layout;
+                  const ctx = canvas.getContext("2d"), dpr = window.devicePixelRatio || 1;
+                  const alpha = (b) => ctx.getImageData(((b % l.cols) * l.cell + l.cell / 2) * dpr,
+                      (Math.floor(b / l.cols) * l.cell + l.cell / 2) * dpr, 1, 1).data[3];
+                  const held = new Set(snap.requests.find((r) => r.request_id === d.highlight).seqs
+                      .flatMap((s) => s.swapped ? [] : s.block_tables.flat()));
+                  const others = [...Array(snap.pool.num_blocks).keys()]
+                      .filter((b) => !held.has(b));
+                  return { held: [...held].map(alpha), others: others.map(alpha) }; }"""
+            )
             browser.close()
         print(f"dashboard screenshot: {screenshot.resolve()}")
 
@@ -153,6 +175,9 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
         if drawn["freeMiddle"] is not None:
             assert drawn["freeMiddle"][:3] == [0xE8, 0xEB, 0xEF], drawn
         assert screenshot.stat().st_size > 10_000
+        assert f"block {drawn['shared']} " in tooltip and "held by" in tooltip, tooltip
+        assert highlight["held"] and all(a == 255 for a in highlight["held"]), highlight
+        assert highlight["others"] and all(a < 255 for a in highlight["others"]), highlight
     finally:
         stop.set()
         for t in threads:
