@@ -36,6 +36,8 @@ def test_soak_reports_no_failure_and_no_leak(tiny_gguf, tmp_path, capsys):
     assert result["unfinished_requests"] == 0 and result["open_streams"] == 0
     assert result["rss_start_mib"] > 0 and result["rss_end_mib"] > 0
     assert len(result["python_objects_after_rounds"]) == 5
+    # A dashboard polled /debug/kv (with the integrity check) all along: every poll passed.
+    assert result["dashboard_polls"] >= 1 and result["dashboard_bad_polls"] == 0
 
 
 def test_soak_fails_on_a_leak(tiny_gguf, tmp_path, monkeypatch):
@@ -56,3 +58,4 @@ def test_soak_fails_on_a_leak(tiny_gguf, tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["failed"] == 0 and result["leaked_blocks"] > 0, result
     assert result["integrity"].startswith("failed: a finished")
+    assert result["dashboard_bad_polls"] >= 1  # the dashboard's check saw it during the load

@@ -5,7 +5,8 @@ load the engine itself can be inspected: failed requests (from the `bench serve`
 once idle, the scheduler's and pool's integrity check, the blocks still held (KV usage must be 0:
 blocks kept for the prefix cache count as free), requests left in the engine, and the resident
 memory (RSS) and the number of Python objects of the process after a warm-up and after each
-quarter of the requests.
+quarter of the requests. Meanwhile a dashboard page's polls of /debug/kv (with the integrity
+check) run twice a second, and every one must pass.
 """
 
 from __future__ import annotations
@@ -88,6 +89,49 @@ def wait_idle(engine, timeout: float = 120.0) -> bool:
     return not engine.has_unfinished_requests()
 
 
+class DashboardPoller:
+    """An open dashboard page during the load: polls /debug/kv with the integrity check every
+    `interval` seconds on a thread, and counts the polls that failed or whose snapshot did not
+    pass the check or add up (free + cached + used == total)."""
+
+    def __init__(self, url: str, interval: float = 0.5) -> None:
+        self.url = f"{url}/debug/kv?check=true"
+        self.interval = interval
+        self.num_polls = 0
+        self.bad: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dashboard-poller", daemon=True)
+
+    def __enter__(self) -> DashboardPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=60) as http:
+            while True:
+                self.num_polls += 1
+                try:
+                    response = http.get(self.url)
+                    response.raise_for_status()
+                    snap = response.json()
+                    pool = snap["pool"]
+                    counts = pool["counts"]
+                    if not snap["integrity"]["ok"]:
+                        self.bad.append(snap["integrity"]["error"])
+                    elif counts["free"] + counts["cached"] + counts["used"] != pool["num_blocks"]:
+                        self.bad.append(f"counts {counts} do not add up to {pool['num_blocks']}")
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    self.bad.append(repr(e))
+                if self._stop.wait(self.interval):
+                    return
+
+
 def leak_report(async_engine) -> dict[str, Any]:
     """After the load, with the engine idle: what it still holds. Call from any thread once no
     request is in flight (the loop then only waits for commands)."""
@@ -167,13 +211,16 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             # In four rounds, RSS read after each: a leak grows round after round.
             bounds = [len(requests) * k // 4 for k in range(5)]
             parts = []
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                if hi > lo:
-                    run = run_benchmark(url, requests[lo:hi], name, math.inf, ns.max_concurrency)
-                    parts.append(asyncio.run(run))
-                    wait_idle(engine)
-                    rss.append(rss_bytes())
-                    objects.append(_num_objects())
+            with DashboardPoller(url) as dashboard:
+                for lo, hi in zip(bounds, bounds[1:], strict=False):
+                    if hi > lo:
+                        run = run_benchmark(
+                            url, requests[lo:hi], name, math.inf, ns.max_concurrency
+                        )
+                        parts.append(asyncio.run(run))
+                        wait_idle(engine)
+                        rss.append(rss_bytes())
+                        objects.append(_num_objects())
             leaks = leak_report(async_engine)
     finally:
         async_engine.shutdown()
@@ -182,15 +229,17 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     result = {
         **summary, **leaks, "rss_start_mib": rss[0] / mib, "rss_end_mib": rss[-1] / mib,
         "rss_growth_mib": (rss[-1] - rss[0]) / mib, "rss_after_rounds_mib": [r / mib for r in rss],
-        "python_objects_after_rounds": objects,
+        "python_objects_after_rounds": objects, "dashboard_polls": dashboard.num_polls,
+        "dashboard_bad_polls": len(dashboard.bad), "dashboard_errors": dashboard.bad[:5],
     }  # fmt: skip
     print(format_summary(summary))
     print("(counts and throughput: all rounds; latencies: the last round)")
-    for error in summary["errors"]:
+    for error in summary["errors"] + result["dashboard_errors"]:
         print(f"error: {error}")
     print(f"{'-' * 15}Leak checks{'-' * 15}")
     for key in ("idle", "integrity", "unfinished_requests", "open_streams", "leaked_blocks",
-                "num_blocks", "num_preemptions_total"):  # fmt: skip
+                "num_blocks", "num_preemptions_total", "dashboard_polls",
+                "dashboard_bad_polls"):  # fmt: skip
         print(f"{key + ':':<40}{result[key]!s:>12}")
     for key in ("rss_start_mib", "rss_end_mib", "rss_growth_mib"):
         print(f"{key + ':':<40}{result[key]:>12.1f}")
@@ -205,5 +254,6 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     clean = (
         summary["failed"] == 0 and leaks["integrity"] == "ok" and leaks["leaked_blocks"] == 0
         and leaks["unfinished_requests"] == 0 and leaks["open_streams"] == 0
+        and result["dashboard_bad_polls"] == 0
     )  # fmt: skip
     return 0 if clean else 1

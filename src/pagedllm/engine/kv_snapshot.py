@@ -38,8 +38,9 @@ def _block_counts(pool: dict, reserved: list[int]) -> dict[str, int]:
 
 
 def kv_snapshot(engine, check: bool = False) -> dict:
-    """The snapshot of `engine` (an LLMEngine) now. `check`: also run the KV cache manager's
-    integrity check and report its verdict (it walks the pool again)."""
+    """The snapshot of `engine` (an LLMEngine) now. `check`: also run the scheduler's integrity
+    check (the KV cache manager's, and only live sequences hold blocks) and report its verdict
+    (it walks the pool again)."""
     scheduler = engine.scheduler
     kv = scheduler.kv_cache_manager
     pools = kv.snapshot()
@@ -113,7 +114,7 @@ def kv_snapshot(engine, check: bool = False) -> dict:
     }
     if check:
         try:
-            kv.check_integrity()
+            scheduler.check_integrity()  # the pools, the tables, and who may hold blocks
             snapshot["integrity"] = {"ok": True, "error": None}
         except AssertionError as e:
             snapshot["integrity"] = {"ok": False, "error": str(e) or repr(e)}
