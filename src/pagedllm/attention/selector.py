@@ -13,6 +13,7 @@ import torch
 from pagedllm.attention.cpu import paged_attention_cpu, write_kv_cache_cpu
 from pagedllm.attention.sdpa import paged_attention_sdpa
 from pagedllm.attention.torch_ref import paged_attention_ref, write_kv_cache
+from pagedllm.config import ATTENTION_BACKENDS
 
 
 def copy_blocks_torch(
@@ -41,7 +42,7 @@ _BACKENDS = {
     "sdpa": AttentionBackend("sdpa", paged_attention_sdpa),
     "cpu": AttentionBackend("cpu", paged_attention_cpu, write_kv_cache_cpu),
 }
-_NAMES = [*_BACKENDS, "triton"]  # triton is imported only when asked for
+_NAMES = [b for b in ATTENTION_BACKENDS if b != "auto"]  # triton: imported when asked for
 
 
 def resolve_backend_name(name: str, device: torch.device | str | None = None) -> str:

@@ -34,13 +34,10 @@ from pagedllm.benchmarks.workload import (
     alpaca_like_workload,
     sharegpt_like_workload,
 )
-from pagedllm.core.contiguous_kv_cache_manager import (
-    ALLOCATORS,
-    KV_ALLOCATIONS,
-    ContiguousKVCacheManager,
-)
+from pagedllm.config import KV_ALLOCATIONS, KV_ALLOCATORS, SchedulerConfig
+from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -174,7 +171,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=2048, help="(default: 2048, OPT's)")
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--allocator", choices=ALLOCATORS, default="buddy",
+    group.add_argument("--allocator", choices=KV_ALLOCATORS, default="buddy",
                        help="how contiguous regions are placed (default: buddy, as the paper's "
                        "Orca baselines)")  # fmt: skip
     group.add_argument("--plot", default=None, help="write the figure to this PNG")

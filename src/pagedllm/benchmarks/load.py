@@ -48,8 +48,7 @@ from pagedllm.benchmarks.throughput import (
     table_lines,
 )
 from pagedllm.benchmarks.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
-from pagedllm.config import EngineArgs
-from pagedllm.core.contiguous_kv_cache_manager import ALLOCATORS, KV_ALLOCATIONS
+from pagedllm.config import KV_ALLOCATIONS, KV_ALLOCATORS, EngineArgs
 
 POLICIES = KV_ALLOCATIONS  # paged, max, pow2, oracle
 # The runs in docs/benchmarks.md (about 25 minutes on 2 cores for both workloads).
@@ -104,7 +103,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{shape}-rates", type=float_list, default=DEFAULT_RATES[shape],
                            help=f"request rates (req/s) of the {shape} workload "
                            f"(default: {default})")  # fmt: skip
-    group.add_argument("--allocator", choices=ALLOCATORS, default="buddy",
+    group.add_argument("--allocator", choices=KV_ALLOCATORS, default="buddy",
                        help="placement of the contiguous regions: buddy (the paper's Orca "
                        "baselines) or first-fit (default: buddy)")  # fmt: skip
     group.add_argument("--latency-cap", type=float, default=DEFAULT_LATENCY_CAP,

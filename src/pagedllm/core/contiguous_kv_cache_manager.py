@@ -30,12 +30,9 @@ from __future__ import annotations
 import bisect
 import itertools
 
+from pagedllm.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.request import Request
-
-CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
-KV_ALLOCATIONS = ("paged", *CONTIGUOUS_POLICIES)
-ALLOCATORS = ("buddy", "first-fit")
 
 
 def next_power_of_two(n: int) -> int:
@@ -151,8 +148,8 @@ class ContiguousKVCacheManager:
     ) -> None:
         if policy not in CONTIGUOUS_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(CONTIGUOUS_POLICIES)}: {policy!r}")
-        if allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}: {allocator!r}")
+        if allocator not in KV_ALLOCATORS:
+            raise ValueError(f"allocator must be one of {', '.join(KV_ALLOCATORS)}: {allocator!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = policy

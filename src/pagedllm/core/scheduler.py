@@ -27,19 +27,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.beam_search import BeamSearchState
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
 
 
 @dataclass

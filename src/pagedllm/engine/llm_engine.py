@@ -13,10 +13,10 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention.selector import resolve_backend_name
-from pagedllm.config import EngineArgs, parse_bytes
+from pagedllm.config import EngineArgs, SchedulerConfig, parse_bytes
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.cpu_info import available_cpus, has_native_bf16
 from pagedllm.distributed import HeadShard, TPGroup
 from pagedllm.distributed.parallel import min_over_ranks

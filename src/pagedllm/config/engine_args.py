@@ -1,64 +1,23 @@
-"""Configuration dataclasses shared by the loader, the model, the scheduler and the entrypoints."""
+"""EngineArgs: every engine flag as the user gives it (to `LLM(...)` or the command line), and
+the choice lists those flags take. `engine.arg_utils.create_engine_config` resolves them once
+into an EngineConfig (engine_config.py) before anything is built."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pagedllm.core.contiguous_kv_cache_manager import KV_ALLOCATIONS
-
-
-@dataclass
-class ModelArchConfig:
-    """Architecture hyper-parameters in Hugging Face's vocabulary (from config.json or GGUF)."""
-
-    architecture: str  # e.g. "LlamaForCausalLM"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    # HF's rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE.
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-    # Sliding-window attention, HF semantics: a query at position p sees keys at positions
-    # > p - sliding_window. `layer_types[i]` is "full_attention" or "sliding_attention"; None
-    # means every layer slides when `sliding_window` is set, none otherwise.
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None
-    # Per-architecture options of the one decoder (the defaults are Llama's).
-    qkv_bias: bool = False  # bias on q/k/v only (Qwen2); attention_bias puts one on o_proj too
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims (Phi-3/4)
-    embedding_multiplier: float = 1.0  # Granite: embeddings scaled by this
-    residual_multiplier: float = 1.0  # Granite: each block's output scaled before the residual add
-    attention_multiplier: float | None = None  # Granite: attention scale; None is head_dim**-0.5
-    logits_scaling: float = 1.0  # Granite: logits divided by this
-    # RoPE base of the sliding layers when it differs from rope_theta (Gemma 3's local base).
-    rope_local_base_freq: float | None = None
-    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
-    query_pre_attn_scalar: float | None = None
-    # tanh soft-capping: cap * tanh(x / cap) of attention scores / final logits (Gemma).
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-
-    def layer_sliding_window(self, layer_idx: int) -> int | None:
-        """The window of layer `layer_idx`, or None for a full-attention layer."""
-        if self.sliding_window is None:
-            return None
-        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
-            return self.sliding_window
-        return None
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch", "triton")
+# The pre-paging contiguous reservations (core/contiguous_kv_cache_manager.py), for benchmarks.
+CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
+KV_ALLOCATIONS = ("paged", *CONTIGUOUS_POLICIES)
+# How contiguous regions are placed: binary buddies, or the first free extent that fits.
+KV_ALLOCATORS = ("buddy", "first-fit")
 
 
 def parse_bytes(value: str | int | float | None) -> int | None:
@@ -74,9 +33,6 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     base = 1024 if binary or unit else 1
     power = " KMGT".index(unit) if unit else 0
     return int(number * base**power)
-
-
-QUANTIZATION_METHODS = ("none", "int8", "int4")
 
 
 @dataclass
@@ -132,12 +88,12 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+        if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
         parse_bytes(self.kv_cache_memory)
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
             )

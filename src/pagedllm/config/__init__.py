@@ -1,0 +1,46 @@
+"""Configuration: the user's flags (EngineArgs), a model's architecture (ModelArchConfig), and
+the resolved EngineConfig of parts. The lowest layer: it imports nothing else of pagedllm."""
+
+from pagedllm.config.engine_args import (
+    ATTENTION_BACKENDS,
+    CONTIGUOUS_POLICIES,
+    DEVICES,
+    DTYPES,
+    KV_ALLOCATIONS,
+    KV_ALLOCATORS,
+    PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
+    EngineArgs,
+    parse_bytes,
+)
+from pagedllm.config.engine_config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagedllm.config.model_arch import ModelArchConfig
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "CONTIGUOUS_POLICIES",
+    "DEVICES",
+    "DTYPES",
+    "KV_ALLOCATIONS",
+    "KV_ALLOCATORS",
+    "PREEMPTION_MODES",
+    "QUANTIZATION_METHODS",
+    "CacheConfig",
+    "DeviceConfig",
+    "EngineArgs",
+    "EngineConfig",
+    "LoadConfig",
+    "ModelArchConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "parse_bytes",
+]

@@ -1,0 +1,140 @@
+"""EngineConfig: the user's EngineArgs resolved once, before anything is built, into the parts
+each layer reads (as vLLM's VllmConfig): the model, the KV cache, the scheduler, parallelism,
+the device and loading. Every default that depends on the model or the machine ("auto" dtype and
+device, max_model_len, the token budget, the CPU's KV pool size) is decided here, so that no
+later part decides it again. Torch-free: the caller detects the device and its dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.config.engine_args import EngineArgs, parse_bytes
+from pagedllm.config.model_arch import ModelArchConfig
+
+# Like vLLM's CPU backend: a 4 GiB KV pool unless told otherwise (a GPU's is profiled).
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None  # as given: a path, a short name, a hub id; None is the default model
+    tokenizer: str | None  # another tokenizer, or None for the model's own
+    name: str  # how the model is called in logs and (by default) in the API
+    arch: ModelArchConfig
+    dtype: str  # the weights' and the KV cache's: "float32", "bfloat16" or "float16"
+    max_model_len: int
+    seed: int
+    quantization: str  # none | int8 | int4
+    enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    # Bytes of the KV pool; None on a GPU without --kv-cache-memory: profiled at start-up.
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+    swap_space_bytes: int  # host memory for swapped-out blocks; 0 unless preemption swaps
+    enable_prefix_caching: bool
+    kv_allocation: str  # paged | max | pow2 | oracle
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str  # "cpu" or "cuda" ("auto" resolved)
+    attention_backend: str  # as asked for; the worker resolves "auto" for its device
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    allow_pickle_checkpoints: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    load: LoadConfig
+
+    @classmethod
+    def resolve(
+        cls, args: EngineArgs, arch: ModelArchConfig, name: str, device: str, auto_dtype: str
+    ) -> EngineConfig:
+        """`args` (validated here) for a model of architecture `arch` called `name`, on
+        `device` ("cpu" or "cuda"), where --dtype auto means `auto_dtype`."""
+        args.validate()
+        max_model_len = _max_model_len(args.max_model_len, arch.max_position_embeddings)
+        budget = args.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        if not args.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill disabled: raise "
+                "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
+            )
+        kv_cache_memory = parse_bytes(args.kv_cache_memory)
+        if kv_cache_memory is None and device == "cpu":
+            kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+        swap = int(args.swap_space * 2**30) if args.preemption_mode == "swap" else 0
+        dtype = auto_dtype if args.dtype == "auto" else _DTYPE_NAMES.get(args.dtype, args.dtype)
+        return cls(
+            model=ModelConfig(
+                args.model,
+                args.tokenizer,
+                name,
+                arch,
+                dtype,
+                max_model_len,
+                args.seed,
+                args.quantization,
+                args.enforce_eager,
+            ),  # fmt: skip
+            cache=CacheConfig(
+                args.block_size,
+                kv_cache_memory,
+                args.gpu_memory_utilization,
+                args.num_gpu_blocks_override,
+                swap,
+                args.enable_prefix_caching,
+                args.kv_allocation,
+            ),  # fmt: skip
+            scheduler=SchedulerConfig(
+                args.max_num_seqs,
+                budget,
+                max_model_len,
+                args.enable_chunked_prefill,
+                args.preemption_mode,
+            ),  # fmt: skip
+            parallel=ParallelConfig(args.tensor_parallel_size),
+            device=DeviceConfig(device, args.attention_backend),
+            load=LoadConfig(args.allow_pickle_checkpoints),
+        )
+
+
+def _max_model_len(asked: int | None, limit: int) -> int:
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(
+            f"max_model_len {asked} exceeds the model's context length {limit}: lower "
+            "--max-model-len"
+        )
+    return asked

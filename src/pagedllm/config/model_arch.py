@@ -1,0 +1,57 @@
+"""A model's architecture hyper-parameters, as every loader reads them (config.json or GGUF)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelArchConfig:
+    """Architecture hyper-parameters in Hugging Face's vocabulary (from config.json or GGUF)."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF's rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention, HF semantics: a query at position p sees keys at positions
+    # > p - sliding_window. `layer_types[i]` is "full_attention" or "sliding_attention"; None
+    # means every layer slides when `sliding_window` is set, none otherwise.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Per-architecture options of the one decoder (the defaults are Llama's).
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2); attention_bias puts one on o_proj too
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims (Phi-3/4)
+    embedding_multiplier: float = 1.0  # Granite: embeddings scaled by this
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled before the residual add
+    attention_multiplier: float | None = None  # Granite: attention scale; None is head_dim**-0.5
+    logits_scaling: float = 1.0  # Granite: logits divided by this
+    # RoPE base of the sliding layers when it differs from rope_theta (Gemma 3's local base).
+    rope_local_base_freq: float | None = None
+    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # tanh soft-capping: cap * tanh(x / cap) of attention scores / final logits (Gemma).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`, or None for a full-attention layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
