@@ -16,7 +16,7 @@ from pagedllm.benchmarks.quantization import (
     continuation_logprobs,
 )
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import auto_dtype
+from pagedllm.engine.arg_utils import auto_dtype
 from pagedllm.layers.quantization import Int4Linear, Int8Linear
 from pagedllm.model_loader import load_gguf, resolve_model
 

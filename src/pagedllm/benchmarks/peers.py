@@ -290,7 +290,7 @@ def _pagedllm_dtype(engine_args: EngineArgs, weights_line: str | None) -> str:
             return found[-1]
     if engine_args.dtype != "auto":
         return engine_args.dtype
-    from pagedllm.engine.llm_engine import auto_dtype, resolve_device
+    from pagedllm.engine.arg_utils import auto_dtype, resolve_device
 
     dtype = auto_dtype(resolve_device(engine_args.device))
     return str(dtype).removeprefix("torch.")

@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm import kernels
 from pagedllm.attention.selector import resolve_backend_name
-from pagedllm.config import EngineArgs, SchedulerConfig, parse_bytes
+from pagedllm.config import EngineArgs
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.cpu_info import available_cpus, has_native_bf16
+from pagedllm.cpu_info import available_cpus
 from pagedllm.distributed import HeadShard, TPGroup
 from pagedllm.distributed.parallel import min_over_ranks
 from pagedllm.distributed.workers import (
@@ -27,13 +26,11 @@ from pagedllm.distributed.workers import (
     leave_group,
     stop_workers,
 )
+from pagedllm.engine.arg_utils import TORCH_DTYPES, create_engine_config, resolve_device
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.kv_snapshot import kv_snapshot
-from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
-from pagedllm.layers.quantization import quantize_model, weight_bytes
-from pagedllm.model_loader import load_model
-from pagedllm.models.fused_decoder import NotFusable
-from pagedllm.models.registry import get_model_class
+from pagedllm.model_loader.build import build_model
+from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 from pagedllm.sampling_params import SamplingParams
@@ -41,16 +38,6 @@ from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 # A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = str | list[int] | dict
@@ -70,34 +57,16 @@ class _RequestState:
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
 
 
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """What --dtype auto means: bfloat16 on CUDA and on CPUs with bf16 instructions (on this
-    project's AVX-512 machine, 1.8x float32's decode throughput at 64 running and 2.6x its
-    prefill speed, greedy output agreeing on 99% of positions; docs/performance.md), with or
-    without quantized weights (their kernels take either; prefill expands them for a GEMM in
-    the activations' dtype). float32 on other CPUs, whose bfloat16 matmuls are emulated and
-    slower than float32's."""
-    if device.type != "cpu":
-        return torch.bfloat16
-    return torch.bfloat16 if has_native_bf16() else torch.float32
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class LLMEngine:
     def __init__(
         self, args: EngineArgs, tp_rank: int = 0, tp_address: tuple[str, int] | None = None
     ) -> None:
         """`tp_rank` / `tp_address`: for the processes a tensor-parallel engine spawns (rank 0,
         the engine users make, spawns them; see pagedllm.distributed.workers)."""
-        args.validate()
+        self.config = config = create_engine_config(args)
         self.args = args
         self.device = resolve_device(args.device)
-        self.dtype = _DTYPES[args.dtype] if args.dtype != "auto" else auto_dtype(self.device)
+        self.dtype = TORCH_DTYPES[config.model.dtype]
         torch.manual_seed(args.seed)
         tp_size = args.tensor_parallel_size
         self._threads_before = torch.get_num_threads()  # shutdown() gives a rank's share back
@@ -109,17 +78,9 @@ class LLMEngine:
                 torch.set_num_threads(cores)
             logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(), cores)
 
-        self._t0 = time.perf_counter()
-        loaded = load_model(
-            args.model,
-            args.tokenizer,
-            keep_codes=args.quantization != "none",
-            allow_pickle=args.allow_pickle_checkpoints,
-            lazy=tp_size > 1,  # each rank keeps its slices only
-        )
-        self.model_name = loaded.name
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.model_name = config.model.name
+        self.model_config = config.model.arch
+        self.tokenizer = load_model_tokenizer(args.model, args.tokenizer)
         self.tp_workers: TPWorkers | None = None
         self._tp_driver = False  # rank 0 of a group: shutdown() stops the others
         if tp_size > 1:
@@ -128,7 +89,7 @@ class LLMEngine:
             if tp_size > 1:
                 init_process_group(tp_rank, tp_size, tp_address, self.device)
                 logger.info("tensor parallelism: %d ranks", tp_size)
-            self._start(loaded)
+            self._start()
         except BaseException:
             self.shutdown()
             raise
@@ -159,35 +120,16 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
         return tp_rank, tp_address
 
-    def _start(self, loaded) -> None:
+    def _start(self) -> None:
         """Build the model (this rank's shard), the runner and its KV cache, the scheduler."""
-        args, config, t0 = self.args, self.model_config, self._t0
+        args, config = self.args, self.model_config
         self.attention_backend = resolve_backend_name(args.attention_backend, self.device)
-        model = get_model_class(config.architecture)(
-            config, attention_backend=self.attention_backend
+        built = build_model(
+            self.config.model, self.config.load, self.device, self.attention_backend
         )
-        try:
-            model.load_weights(loaded.weights.items())
-        except ValueError as e:  # a tensor of the wrong shape, missing or unknown: name the file
-            raise ValueError(f"{loaded.source or loaded.name}: {e}") from None
-        loaded.weights.clear()  # the model holds copies; free these before quantizing
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.weight_bytes = self._quantize(loaded)
-        if can_pack(self.dtype, self.device):
-            # Quantized weights are chosen to save memory: no packed copy of a tied lm_head then.
-            added = pack_linear_weights(self.model, pack_shared=self.args.quantization == "none")
-            self.weight_bytes += added
-            logger.info(
-                "bfloat16 projections prepacked for oneDNN (+%.1f MiB for tied copies)",
-                added / 2**20,
-            )
-        self._fuse_decoder()
-        logger.info(
-            "loaded %s in %.1f s (attention backend: %s)",
-            self.model_name, time.perf_counter() - t0, self.attention_backend,
-        )  # fmt: skip
+        self.model, self.weight_bytes = built.model, built.weight_bytes
 
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = self.config.scheduler.max_model_len
         self.eos_token_ids = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
@@ -195,15 +137,7 @@ class LLMEngine:
         self._structured_output_manager: StructuredOutputManager | None = None  # on first use
 
         self.block_size = args.block_size
-        self.max_num_batched_tokens = args.max_num_batched_tokens or max(
-            2048, min(self.max_model_len, 8192)
-        )
-        if not args.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({self.max_model_len}) with chunked prefill disabled: raise "
-                "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
-            )
+        self.max_num_batched_tokens = self.config.scheduler.max_num_batched_tokens
         self.runner = ModelRunner(
             self.model, config, self.block_size, self.device, self.dtype, seed=args.seed,
             attention_backend=self.attention_backend,
@@ -215,16 +149,7 @@ class LLMEngine:
         self.num_cpu_blocks = self._num_swap_blocks()
         if self.num_cpu_blocks:
             self.runner.allocate_swap_space(self.num_cpu_blocks)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                preemption_mode=args.preemption_mode,
-            ),
-            self._kv_cache_manager(),
-        )
+        self.scheduler = Scheduler(self.config.scheduler, self._kv_cache_manager())
         self._num_preemptions_logged = 0
         # Tokens run through the model: prompt tokens prefilled (again after a recompute), and
         # tokens sampled; for throughput logs.
@@ -280,63 +205,6 @@ class LLMEngine:
             self.num_blocks, self.block_size, args.kv_allocation, self.max_model_len
         )
 
-    def _quantize(self, loaded) -> int:
-        """Swap the projections for --quantization's layers; log and return the weight bytes."""
-        method = self.args.quantization
-        float_bytes = weight_bytes(self.model)
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        if method == "none":
-            logger.info("weights: %.1f MiB (%s)", float_bytes / 2**20, dtype_name)
-            return float_bytes
-        if self.device.type != "cpu":
-            raise ValueError(
-                f"--quantization {method} runs on pagedllm's CPU kernels: run with --device cpu"
-            )
-        if not kernels.available():
-            logger.warning(
-                "--quantization %s without pagedllm's C++ kernels: every layer expands its "
-                "weight on each call (correct, but slower than the float model)",
-                method,
-            )
-        exact = {  # the checkpoint's own codes, fused like the model's projections
-            module: type(parts[0]).cat(parts)
-            for module, parts in self.model.group_by_module(loaded.quant_codes).items()
-            if len({type(p) for p in parts}) == 1
-        }
-        loaded.quant_codes.clear()
-        kept = quantize_model(self.model, method, exact)
-        quant_bytes = weight_bytes(self.model)
-        logger.info(
-            "weights: %.1f MiB with %s projections (%.1f MiB all in %s); kept in %s: %s",
-            quant_bytes / 2**20, method, float_bytes / 2**20, dtype_name, dtype_name,
-            ", ".join(kept) or "nothing",
-        )  # fmt: skip
-        if exact:
-            logger.info("%d weights taken from the GGUF's blocks as they are", len(exact))
-        return quant_bytes
-
-    def _fuse_decoder(self) -> None:
-        """Decode steps through the fused C++ decoder where the model allows it (CPU)."""
-        if self.args.enforce_eager or self.device.type != "cpu":
-            return
-        try:
-            self.model.fuse_decoder()
-        except NotFusable as e:
-            logger.info("fused decoder: off (%s)", e)
-            return
-        logger.info("fused decoder: on for decode steps (--enforce-eager turns it off)")
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.args.max_model_len is None:
-            return limit
-        if self.args.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {self.args.max_model_len} exceeds the model's context length "
-                f"{limit}: lower --max-model-len"
-            )
-        return self.args.max_model_len
-
     def _num_kv_blocks(self) -> int:
         spec = self.runner.kv_cache_spec
         bytes_per_block = spec.bytes_per_block
@@ -379,12 +247,10 @@ class LLMEngine:
         return num_blocks
 
     def _kv_cache_budget(self) -> int:
-        explicit = parse_bytes(self.args.kv_cache_memory)
+        explicit = self.config.cache.kv_cache_memory
         if explicit is not None:
             return explicit
-        if self.device.type == "cuda":
-            return self._profile_cuda_kv_budget()
-        return DEFAULT_CPU_KV_CACHE_MEMORY
+        return self._profile_cuda_kv_budget()
 
     def _profile_cuda_kv_budget(self) -> int:
         """What gpu_memory_utilization x total leaves after the peak of a forward pass over a

@@ -93,9 +93,21 @@ def _naming(path) -> object:
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     """gguf.GGUFReader, whose errors on a file that is not GGUF, truncated or corrupt become
-    one ValueError naming the file."""
+    one ValueError naming the file. The last file opened stays parsed (until it changes on
+    disk): an engine reads the config, the tokenizer and the weights of one file, and parsing
+    the metadata of a 49k-token vocabulary takes seconds."""
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ValueError(f"{path} is empty: not a GGUF file")
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return gguf.GGUFReader(path)  # its own error (no such file, ...)
+    return _read_gguf(os.fspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    """(`size` and `mtime_ns` key the cache: a file rewritten in place is read again.)"""
     try:
         return gguf.GGUFReader(path)
     except _CORRUPT as e:

@@ -145,8 +145,15 @@ def load_model_config(model: str | None) -> tuple[ModelArchConfig, str]:
         config = load_hf_config(path)
     else:
         raise ValueError(f"{path} is neither a .gguf file, a config.json nor a model directory")
-    name = path.parent.name if path.name == "config.json" else path.name.removesuffix(".gguf")
-    return config, DEFAULT_MODEL if model is None else name
+    return config, model_name(model, path)
+
+
+def model_name(model: str | None, path: Path) -> str:
+    """What a model is called (logs, the API's default name): a packaged model by the short name
+    it was asked by, a file by its stem, a directory by its name."""
+    if model is None or model.lower() in _PACKAGED or model.lower() in _ASSEMBLED:
+        return DEFAULT_MODEL if model is None else model
+    return path.parent.name if path.name == "config.json" else path.name.removesuffix(".gguf")
 
 
 def load_model(
@@ -178,9 +185,19 @@ def load_model(
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     if tokenizer is not None:
         loaded.tokenizer = load_tokenizer(tokenizer)
-    if model is None or model.lower() in _PACKAGED or model.lower() in _ASSEMBLED:
-        loaded.name = DEFAULT_MODEL if model is None else model
+    loaded.name = model_name(model, path)
     return loaded
+
+
+def load_model_tokenizer(model: str | None, tokenizer: str | None = None) -> Tokenizer | None:
+    """The tokenizer `load_model(model, tokenizer)` comes with, without the weights: `tokenizer`'s
+    if given, else the model's own (a GGUF's metadata, a directory's tokenizer.json), or None."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = _model_path(model)
+    if path.suffix == ".gguf":
+        return load_gguf_tokenizer(path)
+    return load_hf_tokenizer(path) if path.is_dir() else None
 
 
 def load_tokenizer(tokenizer: str) -> Tokenizer:
