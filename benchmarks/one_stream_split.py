@@ -37,9 +37,10 @@ def step_ms(n: int = 40) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
-fused = engine.model.model.fused
+model = engine.executor.driver_worker.model
+fused = model.model.fused
 print(f"step with the fused decoder: {step_ms():.2f} ms" if fused else "no fused decoder here")
-engine.model.model.fused = None  # the modules, as --enforce-eager
+model.model.fused = None  # the modules, as --enforce-eager
 print(f"step through the modules: {step_ms():.2f} ms")
 seconds, calls = collections.Counter(), collections.Counter()
 real = {name: getattr(ops, name) for name in KERNELS}

@@ -40,3 +40,8 @@ def hf_default_model():
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=path, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+def runner_of(engine):
+    """Rank 0's model runner of an LLMEngine (its worker lives in the engine's process)."""
+    return engine.executor.driver_worker.model_runner

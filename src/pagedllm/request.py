@@ -164,8 +164,6 @@ class SequenceGroup:
         self.is_beam_search = params.use_beam_search
         # Sequences to run: best_of samples (n unless given) or beam_width beams.
         self.num_samples = params.num_sequences
-        # Model-runner state per sample index (a seeded torch.Generator); the core never reads it.
-        self.generators: dict[int, Any] = {}
         self.beam: Any = None  # a BeamSearchState, set by the scheduler for beam search
         self.num_preemptions = 0
         self._fork_ids = itertools.count(1)

@@ -127,7 +127,8 @@ def engine(tiny_model):
 
 def _measure(engine, block_size, context_len=32, **kwargs):
     return measure_recovery(
-        engine.model, engine.model_config, engine.device, engine.dtype, block_size, context_len,
+        engine.executor.driver_worker.model, engine.model_config, engine.device, engine.dtype,
+        block_size, context_len,
         vocab=np.arange(3, 128), repeats=2, swap_repeats=3, **kwargs,
     )  # fmt: skip
 

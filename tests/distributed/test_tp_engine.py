@@ -59,20 +59,21 @@ def test_two_ranks_give_one_ranks_outputs(checkpoint, engine):
     expected = generate(single)
     llm = LLM(model=checkpoint, tensor_parallel_size=2, **{**ENGINE, **engine})
     try:
-        runner = llm.llm_engine.runner
-        assert tp_group().size == 2 and runner.tp_size == 2
-        assert runner.num_kv_heads == max(1, single.llm_engine.runner.num_kv_heads // 2)
+        heads = llm.llm_engine.kv_cache_spec.num_kv_heads
+        single_heads = single.llm_engine.kv_cache_spec.num_kv_heads
+        assert tp_group().size == 2
+        assert heads == max(1, single_heads // 2)
         # Half the KV heads on each rank (unless one is replicated): twice the blocks in the
         # same memory; the override fixes the count.
-        ratio = single.llm_engine.runner.num_kv_heads // runner.num_kv_heads
+        ratio = single_heads // heads
         assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks * (1 if engine else ratio)
         got = generate(llm)
         assert_same(got, expected)
         assert_same(generate(llm), expected)  # again, now from the prefix cache
         if engine:
             assert llm.llm_engine.scheduler.num_preemptions_total > 0
-            assert runner.num_swapped_out_blocks > 0
-        procs = llm.llm_engine.tp_workers.procs
+            assert llm.llm_engine.get_stats()["num_swapped_out_blocks"] > 0
+        procs = llm.llm_engine.executor.procs
     finally:
         llm.shutdown()
     assert not any(p.is_alive() for p in procs)
@@ -82,7 +83,7 @@ def test_two_ranks_give_one_ranks_outputs(checkpoint, engine):
 
 def test_a_dead_worker_stops_the_engine(checkpoint):
     llm = LLM(model=checkpoint, tensor_parallel_size=2, **ENGINE)
-    procs = llm.llm_engine.tp_workers.procs
+    procs = llm.llm_engine.executor.procs
     try:
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].join(10)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import save_tiny_llama
+from tests.conftest import runner_of, save_tiny_llama
 
 PROMPTS = [[5, 9, 3], [17, 4, 88, 23, 6, 70, 11, 2 + 40, 9, 1, 66], [100], list(range(10, 40))]
 
@@ -132,10 +132,10 @@ def test_logprobs_match_hf_log_softmax(tiny, tmp_path):
 def test_profile_run_leaves_the_kv_cache_alone(tiny):
     # The CUDA memory profile runs this pass; on CPU we check it runs and restores the pool.
     llm = LLM(dtype="float32", model=tiny[0], kv_cache_memory="8MiB")
-    runner = llm.llm_engine.runner
-    before = runner.kv_caches
+    runner = runner_of(llm.llm_engine)
+    before = runner.kv_cache
     runner.profile_run(num_tokens=100, num_logits=8)
-    assert runner.kv_caches is before
+    assert runner.kv_cache is before
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0].token_ids
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.selector import copy_blocks_torch
 from pagedllm.core.kv_cache_manager import cdiv
-from pagedllm.worker.model_runner import ModelRunner
-from tests.conftest import save_tiny_llama
+from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
+from tests.conftest import runner_of, save_tiny_llama
 
 BLOCK = 4
 POOL = 16  # blocks of 4 tokens: one request of max_model_len 64
@@ -42,7 +43,7 @@ def greedy(max_tokens):
 def swap_space_for(llm, num_blocks) -> float:
     """--swap-space (GiB) that makes exactly `num_blocks` blocks of swap space."""
     engine = llm.llm_engine
-    per_block = engine.runner.kv_cache_spec.bytes_per_block
+    per_block = engine.kv_cache_spec.bytes_per_block
     return (num_blocks + 0.5) * per_block / 2**30
 
 
@@ -52,7 +53,7 @@ def check_pools(llm, aborted=False):
     scheduler = engine.scheduler
     scheduler.check_integrity()
     kv = scheduler.kv_cache_manager
-    assert not scheduler.has_unfinished_requests() and not engine._states
+    assert not scheduler.has_unfinished_requests() and not engine.output_processor.states
     assert not kv.req_to_blocks and not kv.swapped_blocks
     assert kv.num_free_blocks == engine.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
@@ -61,7 +62,8 @@ def check_pools(llm, aborted=False):
     assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
     assert stats["kv_cache_usage"] == 0 and stats["swap_space_usage"] == 0
     if not aborted:  # every block swapped out came back
-        assert engine.runner.num_swapped_out_blocks == engine.runner.num_swapped_in_blocks
+        kv_cache = runner_of(engine).kv_cache
+        assert kv_cache.num_swapped_out_blocks == kv_cache.num_swapped_in_blocks
 
 
 def run_engine(llm, prompts, params, stats=None):
@@ -115,12 +117,13 @@ def test_heavy_preemption_gives_the_unconstrained_outputs(tiny, unconstrained, m
         assert scheduler.num_swap_preemptions_total > 0
         assert max(s["num_swapped"] for s in stats) > 0
         assert max(s["swap_space_usage"] for s in stats) > 0
-        assert engine.runner.num_swapped_out_blocks > 0
-        assert stats[-1]["num_swapped_out_blocks"] == engine.runner.num_swapped_in_blocks
+        kv_cache = runner_of(engine).kv_cache
+        assert kv_cache.num_swapped_out_blocks > 0
+        assert stats[-1]["num_swapped_out_blocks"] == kv_cache.num_swapped_in_blocks
     else:
         assert engine.num_cpu_blocks == 0 and scheduler.num_swap_preemptions_total == 0
         assert all(s["num_swapped"] == 0 for s in stats)
-        assert engine.runner.num_swapped_out_blocks == 0
+        assert runner_of(engine).kv_cache.num_swapped_out_blocks == 0
 
 
 @pytest.mark.parametrize("num_swap_blocks", [0, 3])
@@ -137,7 +140,7 @@ def test_swap_space_too_small_falls_back_to_recompute(tiny, unconstrained, num_s
     if num_swap_blocks:
         assert scheduler.num_swap_preemptions_total > 0  # what fit was swapped
     else:
-        assert engine.runner.num_swapped_out_blocks == 0
+        assert runner_of(engine).kv_cache.num_swapped_out_blocks == 0
 
 
 def test_groups_are_swapped_whole_and_give_the_same_outputs(tiny):
@@ -188,7 +191,7 @@ def test_abort_of_a_swapped_request_frees_its_swap_blocks(tiny, unconstrained):
     engine.abort_request(victim)
     scheduler.check_integrity()
     assert kv.num_cpu_blocks - kv.num_free_cpu_blocks == others < held
-    assert victim not in scheduler.requests and victim not in engine._states
+    assert victim not in scheduler.requests and victim not in engine.output_processor.states
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     check_pools(llm, aborted=True)
@@ -235,7 +238,9 @@ def test_impossible_groups_are_rejected_and_the_rest_runs_on(tiny, unconstrained
     for params, match in impossible:
         with pytest.raises(ValueError, match=match):
             engine.add_request("bad", {"prompt_token_ids": list(range(3, 13))}, params)
-        assert "bad" not in engine._states and "bad" not in engine.scheduler.requests
+        assert (
+            "bad" not in engine.output_processor.states and "bad" not in engine.scheduler.requests
+        )
         engine.scheduler.check_integrity()
     # What just fits is accepted: 2 x cdiv(10 + 22, 4) = 16 blocks.
     fits = SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=22, ignore_eos=True)
@@ -256,42 +261,40 @@ def test_swap_blocks_move_every_layer_k_and_v_and_nothing_else():
         head_dim=8,
         layer_sliding_window=lambda i: None,
     )
-    runner = ModelRunner(None, config, block_size=4, device=torch.device("cpu"),
-                         dtype=torch.float32)  # fmt: skip
-    runner.allocate_kv_cache(num_blocks=10)
-    runner.allocate_swap_space(num_cpu_blocks=6)
-    assert runner.swap_pool.shape == (3, 2, 6, 4, 2, 8)
-    assert runner.swap_pool.data_ptr() != runner.kv_pool.data_ptr()
+    kv = KVCache(kv_cache_spec(config, 4, torch.float32), 3, 10, 6, torch.float32,
+                 torch.device("cpu"), copy_blocks_torch)  # fmt: skip
+    assert kv.swap_pool.shape == (3, 2, 6, 4, 2, 8)
+    assert kv.swap_pool.data_ptr() != kv.pool.data_ptr()
     g = torch.Generator().manual_seed(0)
-    runner.kv_pool.copy_(torch.randn(runner.kv_pool.shape, generator=g))
-    original = runner.kv_pool.clone()
+    kv.pool.copy_(torch.randn(kv.pool.shape, generator=g))
+    original = kv.pool.clone()
     out = [(2, 0), (5, 3), (7, 1)]  # (device, cpu)
-    runner.swap_blocks(out, [])
+    kv.swap(out, [])
     for dev, cpu in out:
-        assert torch.equal(runner.swap_pool[:, :, cpu], original[:, :, dev])
-    assert torch.equal(runner.kv_pool, original)  # swapping out only reads the device pool
+        assert torch.equal(kv.swap_pool[:, :, cpu], original[:, :, dev])
+    assert torch.equal(kv.pool, original)  # swapping out only reads the device pool
     # The device blocks are reused meanwhile.
-    runner.kv_pool[:, :, [2, 5, 7]] = torch.randn((3, 2, 3, 4, 2, 8), generator=g)
-    before = runner.kv_pool.clone()
+    kv.pool[:, :, [2, 5, 7]] = torch.randn((3, 2, 3, 4, 2, 8), generator=g)
+    before = kv.pool.clone()
     in_ = [(0, 4), (3, 8), (1, 2)]  # (cpu, device): back to other blocks, one to its own
-    runner.swap_blocks([], in_)
+    kv.swap([], in_)
     moved = {dev_in: dev_out for (dev_out, cpu), (cpu_in, dev_in) in
              ((o, i) for o in out for i in in_ if i[0] == o[1])}  # fmt: skip
     assert moved == {4: 2, 8: 5, 2: 7}
     for dst, src in moved.items():
-        for layer, (k, v) in enumerate(runner.kv_caches):
+        for layer, (k, v) in enumerate(kv.layers):
             assert torch.equal(k[dst], original[layer, 0, src])
             assert torch.equal(v[dst], original[layer, 1, src])
     untouched = [b for b in range(10) if b not in moved]
-    assert torch.equal(runner.kv_pool[:, :, untouched], before[:, :, untouched])
+    assert torch.equal(kv.pool[:, :, untouched], before[:, :, untouched])
     # Out and in in one step: a block swapped out may be the destination of a swap-in.
-    saved = runner.kv_pool[:, :, 6].clone()
-    incoming = runner.swap_pool[:, :, 3].clone()
-    runner.swap_blocks([(6, 5)], [(3, 6)])
-    assert torch.equal(runner.swap_pool[:, :, 5], saved)
-    assert torch.equal(runner.kv_pool[:, :, 6], incoming)
-    assert runner.num_swapped_out_blocks == 4 and runner.num_swapped_in_blocks == 4
-    assert runner.kv_caches[0][0].data_ptr() == runner.kv_pool[0, 0].data_ptr()
+    saved = kv.pool[:, :, 6].clone()
+    incoming = kv.swap_pool[:, :, 3].clone()
+    kv.swap([(6, 5)], [(3, 6)])
+    assert torch.equal(kv.swap_pool[:, :, 5], saved)
+    assert torch.equal(kv.pool[:, :, 6], incoming)
+    assert kv.num_swapped_out_blocks == 4 and kv.num_swapped_in_blocks == 4
+    assert kv.layers[0][0].data_ptr() == kv.pool[0, 0].data_ptr()
 
 
 # -- the real default model ---------------------------------------------------------------------

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.model_runner import ModelRunner
-from tests.conftest import save_tiny_llama
+from pagedllm.attention.selector import copy_blocks_torch
+from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
+from tests.conftest import runner_of, save_tiny_llama
 
 EOS = 2
 PROMPT_MID = [17, 4, 88, 23, 6, 70, 11, 42, 9, 1]  # 10 tokens: ends mid-block for 4 and 16
@@ -68,8 +69,8 @@ def test_forked_samples_equal_independent_runs_with_seeds(tiny, block_size, pref
     prompts = [PROMPT_MID, PROMPT_16]
     params = SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
     forked = generate(llm, prompts, params)
-    runner = llm.llm_engine.runner
-    copies = runner.num_copied_blocks
+    runner = runner_of(llm.llm_engine)
+    copies = runner.kv_cache.num_copied_blocks
     # Every sample writes its first token into the prompt's last block: mid-block, n - 1 of them
     # copy it; on a boundary nobody does (and with block size 1 never).
     mid = [len(p) % block_size != 0 for p in prompts]
@@ -90,7 +91,9 @@ def test_forked_samples_equal_independent_runs_with_seeds(tiny, block_size, pref
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected]
         assert [c.finish_reason for c in out.outputs] == ["length"] * n
         assert len({tuple(c.token_ids) for c in out.outputs}) == n  # the samples differ
-    assert runner.num_copied_blocks == copies  # independent requests share nothing mid-block
+    assert (
+        runner.kv_cache.num_copied_blocks == copies
+    )  # independent requests share nothing mid-block
 
 
 def test_forked_samples_with_stops_and_stop_tokens(tiny):
@@ -245,7 +248,7 @@ def test_mixed_batch_equals_each_request_alone(tiny, alone):
     llm = make_llm(path)
     together = results(generate(llm, MIXED_PROMPTS[:3], MIXED_PARAMS[:3]))
     assert together == alone
-    assert llm.llm_engine.runner.num_copied_blocks > 0
+    assert runner_of(llm.llm_engine).kv_cache.num_copied_blocks > 0
 
 
 def test_step_with_as_many_fork_rows_as_beam_rows_samples_the_right_logits(tiny):
@@ -348,24 +351,23 @@ def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
         head_dim=8,
         layer_sliding_window=lambda i: None,
     )
-    runner = ModelRunner(None, config, block_size=4, device=torch.device("cpu"),
-                         dtype=torch.float32)  # fmt: skip
-    runner.allocate_kv_cache(num_blocks=10)
+    kv = KVCache(kv_cache_spec(config, 4, torch.float32), 3, 10, 0, torch.float32,
+                 torch.device("cpu"), copy_blocks_torch)  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    runner.kv_pool.copy_(torch.randn(runner.kv_pool.shape, generator=g))
-    before = runner.kv_pool.clone()
+    kv.pool.copy_(torch.randn(kv.pool.shape, generator=g))
+    before = kv.pool.clone()
     pairs = [(2, 7), (5, 1), (2, 9)]  # one source copied twice
-    runner.copy_blocks(pairs)
-    pool = runner.kv_pool
+    kv.copy(pairs)
+    pool = kv.pool
     for src, dst in pairs:
-        for layer, (k, v) in enumerate(runner.kv_caches):
+        for layer, (k, v) in enumerate(kv.layers):
             assert torch.equal(k[dst], before[layer, 0, src])
             assert torch.equal(v[dst], before[layer, 1, src])
     untouched = [b for b in range(10) if b not in {d for _, d in pairs}]
     assert torch.equal(pool[:, :, untouched], before[:, :, untouched])
-    assert runner.num_copied_blocks == 3
+    assert kv.num_copied_blocks == 3
     # The per-layer views the model writes through are still views of the pool.
-    assert runner.kv_caches[1][0].data_ptr() == pool[1, 0].data_ptr()
+    assert kv.layers[1][0].data_ptr() == pool[1, 0].data_ptr()
 
 
 def test_copy_on_write_block_holds_the_prompt_kv_of_its_source(tiny):
@@ -380,13 +382,13 @@ def test_copy_on_write_block_holds_the_prompt_kv_of_its_source(tiny):
     a, b = group.seqs
     assert kv.get_block_ids(a.seq_id) == kv.get_block_ids(b.seq_id)
     src = kv.get_block_ids(a.seq_id)[2]  # tokens 8..11: the prompt's 8, 9 and the first token
-    pool = engine.runner.kv_pool
+    pool = runner_of(engine).kv_cache.pool
     prompt_kv = pool[:, :, src, :2].clone()
     engine.step()  # both write their first token: one copies block 2 first
     ta, tb = kv.get_block_ids(a.seq_id), kv.get_block_ids(b.seq_id)
     assert ta[:2] == tb[:2]  # the full prompt blocks stay shared
     assert ta[2] != tb[2] and src in (ta[2], tb[2])
-    assert engine.runner.num_copied_blocks == 1
+    assert runner_of(engine).kv_cache.num_copied_blocks == 1
     for blocks in (ta, tb):
         # Positions 8 and 9 (the prompt's last two) hold the same K/V in both copies, in
         # every layer, K and V.
@@ -399,7 +401,7 @@ def test_copy_on_write_block_holds_the_prompt_kv_of_its_source(tiny):
     alone.add_request("x", {"prompt_token_ids": PROMPT_MID}, SamplingParams(max_tokens=2))
     alone.step()
     block = alone.scheduler.kv_cache_manager.get_block_ids("x")[2]
-    torch.testing.assert_close(alone.runner.kv_pool[:, :, block, :2], prompt_kv)
+    torch.testing.assert_close(runner_of(alone).kv_cache.pool[:, :, block, :2], prompt_kv)
     while engine.has_unfinished_requests():
         engine.step()
     check_pool(llm)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import save_tiny_llama
+from tests.conftest import runner_of, save_tiny_llama
 from tests.engine.test_preemption import check_pools, run_engine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,10 +55,10 @@ def test_greedy_and_parallel_sampling_equal_the_torch_backend(tiny):
     for backend in ("torch", "triton"):
         llm = make_llm(tiny, backend, enable_prefix_caching=True)
         results[backend] = (generate(llm, prompts, greedy), generate(llm, prompts[:4], sampled))
-        runner = llm.llm_engine.runner
-        assert runner.num_copied_blocks > 0  # the n=3 forks copied their last partial block
-    assert llm.llm_engine.attention_backend == "triton"
-    assert llm.llm_engine.model.model.layers[0].self_attn.attn.backend.name == "triton"
+        # the n=3 forks copied their last partial block
+        assert runner_of(llm.llm_engine).kv_cache.num_copied_blocks > 0
+    assert llm.llm_engine.executor.driver_worker.attention_backend == "triton"
+    assert runner_of(llm.llm_engine).model.model.layers[0].self_attn.attn.backend.name == "triton"
     assert_same(results["triton"][0], results["torch"][0])
     assert_same(results["triton"][1], results["torch"][1])
 
@@ -72,5 +72,5 @@ def test_swap_preemption_equals_the_torch_backend(tiny):
                        swap_space=0.001)  # fmt: skip
         results[backend] = run_engine(llm, PROMPTS, params)
         assert llm.llm_engine.scheduler.num_swap_preemptions_total > 0
-        assert llm.llm_engine.runner.num_swapped_in_blocks > 0
+        assert runner_of(llm.llm_engine).kv_cache.num_swapped_in_blocks > 0
     assert results["triton"] == results["torch"]

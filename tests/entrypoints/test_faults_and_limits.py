@@ -19,14 +19,14 @@ import pytest
 import uvicorn
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine import llm_engine
+from pagedllm.engine import llm_engine, output_processor
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai import serving_completion
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.serving import ServerLimits
-from tests.conftest import save_tiny_llama
+from tests.conftest import runner_of, save_tiny_llama
 from tests.server_process import free_port, start_server
 
 TOKENIZER = "SmolLM2-135M-Instruct"
@@ -134,8 +134,8 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
                 raise RuntimeError("injected detokenizer fault")
             return super().update(new_token_ids, stop_terminated)
 
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", PoisonedDetokenizer)
-    runner = server.engine.engine.runner
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", PoisonedDetokenizer)
+    runner = runner_of(server.engine.engine)
     execute_model = runner.execute_model
 
     def slow_step(*args, **kwargs):
@@ -186,7 +186,7 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     assert texts == expected  # the others finished, their text unchanged
     assert len(faults) == 2 and min(faults) >= 2, faults  # faults hit shared batches
     assert server.wait_idle()["kv_cache_usage"] == 0  # every block back in the pool
-    assert server.engine.is_running and not server.engine.engine._states
+    assert server.engine.is_running and not server.engine.engine.output_processor.states
 
 
 def test_offline_a_failing_request_fails_alone_in_the_batch(tiny_model, monkeypatch):
@@ -214,7 +214,7 @@ def test_offline_a_failing_request_fails_alone_in_the_batch(tiny_model, monkeypa
                 raise RuntimeError("injected offline fault")
             return super().update(new_token_ids, stop_terminated)
 
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", LateFault)
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", LateFault)
     after = llm.generate(prompts, params, use_tqdm=False)
     for ok, again in zip(before[:4], after[:4], strict=True):
         assert again.error is None
@@ -226,7 +226,7 @@ def test_offline_a_failing_request_fails_alone_in_the_batch(tiny_model, monkeypa
     assert failed.error.startswith(f"request {failed.request_id} failed")
     engine.scheduler.check_integrity()
     assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_blocks
-    assert not engine.has_unfinished_requests() and not engine._states
+    assert not engine.has_unfinished_requests() and not engine.output_processor.states
 
 
 def test_a_fault_in_an_open_stream_ends_it_with_an_error_event(server, monkeypatch):
@@ -242,7 +242,7 @@ def test_a_fault_in_an_open_stream_ends_it_with_an_error_event(server, monkeypat
                 raise ValueError("injected late fault")
             return super().update(new_token_ids, stop_terminated)
 
-    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", LateFault)
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", LateFault)
     body = {"prompt": POISON, "max_tokens": 20, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(timeout=TIMEOUT) as http,
@@ -286,7 +286,7 @@ def test_a_fault_formatting_one_answer_is_a_500_naming_it(server, monkeypatch):
 
 def test_a_dead_engine_loop_gives_503s_and_nothing_hangs(tiny_model, monkeypatch):
     s = InProcessServer(_engine(tiny_model))
-    runner = s.engine.engine.runner
+    runner = runner_of(s.engine.engine)
     execute_model = runner.execute_model
     kill = threading.Event()
 
@@ -518,15 +518,15 @@ def test_prompts_reach_the_log_only_with_the_flag(tiny_model, log_requests):
 
 def test_engine_exception_in_add_request_fails_that_request_only(server, monkeypatch):
     """A non-ValueError while adding one request used to kill the engine loop."""
-    engine = server.engine.engine
-    original = engine.tokenize_prompt
+    inputs = server.engine.engine.input_processor
+    original = inputs.tokenize_prompt
 
     def tokenize(prompt):
         if isinstance(prompt, dict) and prompt.get("prompt_token_ids") == POISON:
             raise KeyError("injected add fault")
         return original(prompt)
 
-    monkeypatch.setattr(engine, "tokenize_prompt", tokenize)
+    monkeypatch.setattr(inputs, "tokenize_prompt", tokenize)
     with httpx.Client(timeout=TIMEOUT) as http:
         url = f"{server.url}/v1/completions"
         _error(http.post(url, json={"prompt": POISON, "max_tokens": 2}), 500, "injected add")

@@ -25,8 +25,10 @@ def req(i=0, prompt=(1, 2, 3), outputs=(), eos=(), **params):
     return r
 
 
-def run(sampler, logits, requests):
-    md = SamplingMetadata.from_requests(requests, logits.shape[1], logits.device)
+def run(sampler, logits, requests, generators=None):
+    md = SamplingMetadata.from_requests(
+        requests, logits.shape[1], logits.device, generators=generators
+    )
     return sampler(logits, md)
 
 
@@ -235,17 +237,17 @@ def test_seeded_request_independent_of_batch():
     def sample_steps(batch_sizes, position, sampler_seed):
         target = req(0, seed=1234, top_p=0.95)
         sampler = Sampler(seed=sampler_seed)
-        tokens, generator = [], None
+        tokens, generator, generators = [], None, {}
         for step, size in enumerate(batch_sizes):
             others = [req(i + 1, seed=None if i % 2 else 99 + i) for i in range(size - 1)]
             batch = others[:position] + [target] + others[position:]
             rows = random_logits(size, vocab, seed=100 + step)
             rows[min(position, size - 1)] = logits[step]
-            out = run(sampler, rows, batch)
+            out = run(sampler, rows, batch, generators)
             tokens.append(out.sampled_token_ids[min(position, size - 1)].item())
             target.append_output_token(tokens[-1])
-            generator = generator or target.group.generators[0]
-            assert target.group.generators[0] is generator  # created once, carried across steps
+            generator = generator or generators["r0"][0]
+            assert generators["r0"][0] is generator  # created once, carried across steps
         return tokens
 
     alone = sample_steps([1] * steps, 0, sampler_seed=0)
@@ -261,10 +263,10 @@ def test_seeded_request_independent_of_batch():
 def test_seeded_generator_advances_across_steps():
     # Same flat logits every step: a generator re-seeded each step would repeat its token.
     r = req(0, seed=42)
-    sampler, logits = Sampler(), torch.zeros(1, 1000)
+    sampler, logits, generators = Sampler(), torch.zeros(1, 1000), {}
     tokens = []
     for _ in range(5):
-        tokens.append(run(sampler, logits, [r]).sampled_token_ids.item())
+        tokens.append(run(sampler, logits, [r], generators).sampled_token_ids.item())
         r.append_output_token(tokens[-1])
     assert len(set(tokens)) > 1
 

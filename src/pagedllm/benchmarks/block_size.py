@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 import time
 from typing import Any
@@ -38,27 +37,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_workload_args(group)
 
 
-def use_block_size(engine, block_size: int) -> None:
-    """Rebuild an idle engine's KV pool for `block_size`: same bytes, a new runner over the same
-    model, and a fresh paged scheduler."""
-    from pagedllm.worker.model_runner import ModelRunner
+def with_block_size(engine, block_size: int):
+    """A fresh engine for `block_size` on an idle engine's executor: the same model, a KV pool of
+    the same bytes rebuilt for the block size (recompute preemption: no swap space)."""
+    from pagedllm.engine.llm_engine import LLMEngine
 
     if engine.has_unfinished_requests():
         raise ValueError("the engine must be idle to change its block size")
-    engine.runner.kv_pool = None  # free the old pool before allocating the new one
-    engine.runner.kv_caches = []
-    gc.collect()
-    engine.args = dataclasses.replace(engine.args, block_size=block_size)
-    engine.args.validate()
-    engine.block_size = block_size
-    engine.runner = ModelRunner(
-        engine.model, engine.model_config, block_size, engine.device, engine.dtype,
-        seed=engine.args.seed,
-    )  # fmt: skip
-    engine.num_blocks = engine._num_kv_blocks()
-    engine.runner.allocate_kv_cache(engine.num_blocks)
-    engine.num_cpu_blocks = 0  # recompute preemption (the bench's engine has no swap space)
-    load.use_policy(engine, "paged")
+    args = dataclasses.replace(engine.args, block_size=block_size)
+    return LLMEngine(args, executor=engine.executor)
 
 
 def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +62,7 @@ def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
     cpu_before = cpu_counters()
     runs = []
     for block_size in ns.block_sizes:
-        use_block_size(engine, block_size)
+        engine = with_block_size(engine, block_size)
         load.warm_up(engine)
         for shape, requests in workloads.items():
             rate = getattr(ns, f"{shape}_rate")

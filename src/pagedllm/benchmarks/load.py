@@ -223,31 +223,31 @@ def drive(
 
 
 # -- engine set-up ------------------------------------------------------------------------------
-def use_policy(engine, policy: str, allocator: str = "buddy") -> None:
-    """Give an idle engine a fresh scheduler whose block manager follows `policy` (paged with
-    prefix caching off, or a contiguous one placed by `allocator`), over the same KV pool: the
-    runner, its pool and the model stay."""
+def with_policy(engine, policy: str, allocator: str = "buddy"):
+    """A fresh engine on an idle engine's executor (its model and KV pool) whose block manager
+    follows `policy`: paged with prefix caching off, or a contiguous one placed by
+    `allocator`."""
     from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
     from pagedllm.core.kv_cache_manager import KVCacheManager
-    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.engine.llm_engine import LLMEngine
 
     if engine.has_unfinished_requests():
         raise ValueError("the engine must be idle to change its allocation policy")
     if policy not in POLICIES:
         raise ValueError(f"unknown KV allocation policy {policy!r}")
-    windows = engine.runner.kv_cache_spec.sliding_windows
-    if policy == "paged":
-        manager = KVCacheManager(
-            engine.num_blocks, engine.block_size, False, engine.num_cpu_blocks, windows
+
+    def manager(config, num_blocks: int, num_cpu_blocks: int, windows):
+        block_size = config.cache.block_size
+        if policy == "paged":
+            return KVCacheManager(num_blocks, block_size, False, num_cpu_blocks, windows)
+        if windows != [None]:
+            raise ValueError(f"policy {policy} is for full-attention models only: use paged")
+        return ContiguousKVCacheManager(
+            num_blocks, block_size, policy, config.scheduler.max_model_len, allocator
         )
-    elif windows != [None]:
-        raise ValueError(f"policy {policy} is for full-attention models only: use paged")
-    else:
-        manager = ContiguousKVCacheManager(
-            engine.num_blocks, engine.block_size, policy, engine.max_model_len, allocator
-        )
-    engine.args.kv_allocation = policy
-    engine.scheduler = Scheduler(engine.scheduler.config, manager)
+
+    args = dataclasses.replace(engine.args, kv_allocation=policy, enable_prefix_caching=False)
+    return LLMEngine(args, executor=engine.executor, kv_cache_manager=manager)
 
 
 def workload_tokenizer(engine):
@@ -281,7 +281,7 @@ def make_workloads(engine, ns: argparse.Namespace) -> dict[str, list[WorkloadReq
 def bench_engine_args(engine_args: EngineArgs) -> EngineArgs:
     """The benchmark's engine: prefix caching off (the paper's setting); unless told otherwise,
     a small KV pool (so that memory, not compute, limits the batch) and max_model_len 1024."""
-    # Built paged: each run then installs its policy's block manager (use_policy).
+    # Built paged: each run then gets its policy's block manager (with_policy).
     args = dataclasses.replace(engine_args, enable_prefix_caching=False, kv_allocation="paged")
     if args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         args.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
@@ -301,7 +301,7 @@ def run_one(
     engine, policy, shape, requests, rate, seed, allocator="buddy", timer=time.perf_counter
 ) -> dict:
     """One (policy, workload, rate) run on a fresh scheduler."""
-    use_policy(engine, policy, allocator)
+    engine = with_policy(engine, policy, allocator)
     breakdown = KVSlotBreakdown()
     arrivals = poisson_arrivals(len(requests), rate, seed)
     result = drive(
@@ -323,7 +323,7 @@ def workload_summary(requests: list[WorkloadRequest]) -> dict[str, Any]:
 
 
 def engine_summary(engine) -> dict[str, Any]:
-    spec = engine.runner.kv_cache_spec
+    spec = engine.kv_cache_spec
     return {
         "model": engine.model_name,
         "device": str(engine.device),
@@ -359,7 +359,6 @@ def run(engine_args: EngineArgs, ns: argparse.Namespace) -> dict[str, Any]:
                 r = run_one(engine, policy, shape, requests, rate, ns.arrival_seed, ns.allocator)
                 print(format_run(r), flush=True)
                 runs.append(r)
-    use_policy(engine, "paged")
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": " ".join(sys.argv),

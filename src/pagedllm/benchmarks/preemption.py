@@ -267,8 +267,7 @@ def measure_recovery(
     # Room for the sequence and for the fresh blocks it is recomputed or swapped back into.
     num_blocks = 2 * num_seq_blocks
     runner = ModelRunner(model, config, block_size, device, dtype, seed=seed)
-    runner.allocate_kv_cache(num_blocks)
-    runner.allocate_swap_space(num_seq_blocks)
+    runner.initialize_kv_cache(num_blocks, num_seq_blocks)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
                         num_cpu_blocks=num_seq_blocks,
                         sliding_windows=runner.kv_cache_spec.sliding_windows)  # fmt: skip
@@ -303,7 +302,8 @@ def measure_recovery(
     seq.num_computed_tokens = context_len
 
     # Swap: out (device -> cpu) in one step, back in (cpu -> fresh device blocks) in a later one.
-    before = runner.kv_pool[:, :, kv.get_block_ids(sid)].clone()
+    pool = runner.kv_cache.pool
+    before = pool[:, :, kv.get_block_ids(sid)].clone()
     out_s, in_s, book_s, exact = [], [], [], True
     num_pairs = None
     for rep in range(swap_repeats + 1):
@@ -327,13 +327,13 @@ def measure_recovery(
         _sync(device)
         t6 = time.perf_counter()
         num_pairs = (len(swap_out), len(swap_in))
-        exact = exact and torch_equal(runner.kv_pool[:, :, kv.get_block_ids(sid)], before)
+        exact = exact and torch_equal(pool[:, :, kv.get_block_ids(sid)], before)
         if rep:
             book_s.append((t1 - t0) + (t4 - t3))
             out_s.append(t3 - t2)
             in_s.append(t6 - t5)
     kv.check_integrity()
-    bytes_per_block = runner.kv_pool[:, :, 0].numel() * runner.kv_pool.element_size()
+    bytes_per_block = pool[:, :, 0].numel() * pool.element_size()
     round_trips = [a + b for a, b in zip(out_s, in_s, strict=True)]
     result = {
         "block_size": block_size,
@@ -384,7 +384,8 @@ def run_recovery(engine, ns: argparse.Namespace) -> dict[str, Any]:
         for block_size in ns.block_sizes:
             cpu_before = cpu_counters()
             point = measure_recovery(
-                engine.model, engine.model_config, engine.device, engine.dtype, block_size,
+                engine.executor.driver_worker.model, engine.model_config, engine.device,
+                engine.dtype, block_size,
                 context_len, vocab=vocab, repeats=ns.repeats, swap_repeats=ns.swap_repeats,
                 seed=ns.workload_seed,
             )  # fmt: skip

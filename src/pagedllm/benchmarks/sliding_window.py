@@ -58,13 +58,17 @@ def _run(engine, prompt: list[int], output_len: int) -> dict[str, Any]:
     return {"peak_blocks": peak, "last_blocks": last, "tokens": tokens, "seconds": seconds}
 
 
-def _use_manager(engine, sliding_windows) -> None:
-    """A fresh block manager over the same pool (the engine must be idle)."""
-    old = engine.scheduler.kv_cache_manager
-    engine.scheduler.kv_cache_manager = KVCacheManager(
-        old.block_pool.num_blocks, old.block_size, old.enable_prefix_caching,
-        old.num_cpu_blocks, sliding_windows,
-    )  # fmt: skip
+def _with_windows(engine, sliding_windows):
+    """A fresh engine on an idle engine's executor (model and pool) whose block manager releases
+    blocks by `sliding_windows` (one per KV cache group; None keeps them)."""
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    def manager(config, num_blocks: int, num_cpu_blocks: int, windows):
+        cache = config.cache
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                              num_cpu_blocks, sliding_windows)  # fmt: skip
+
+    return LLMEngine(engine.args, executor=engine.executor, kv_cache_manager=manager)
 
 
 def run(engine_args: EngineArgs, prompt_lens: list[int], output_len: int) -> dict[str, Any]:
@@ -77,7 +81,7 @@ def run(engine_args: EngineArgs, prompt_lens: list[int], output_len: int) -> dic
     if engine_args.kv_cache_memory is None:
         engine_args.kv_cache_memory = "1GiB"
     engine = LLMEngine(engine_args)
-    spec = engine.runner.kv_cache_spec
+    spec = engine.kv_cache_spec
     windows = spec.sliding_windows
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -85,10 +89,8 @@ def run(engine_args: EngineArgs, prompt_lens: list[int], output_len: int) -> dic
     rows = []
     for n in prompt_lens:
         prompt = rng.integers(10, vocab, n).tolist()
-        _use_manager(engine, windows)
-        released = _run(engine, prompt, output_len)
-        _use_manager(engine, [None] * len(windows))
-        kept = _run(engine, prompt, output_len)
+        released = _run(_with_windows(engine, windows), prompt, output_len)
+        kept = _run(_with_windows(engine, [None] * len(windows)), prompt, output_len)
         rows.append({
             "prompt_len": n,
             "tokens": n + output_len,
@@ -100,7 +102,6 @@ def run(engine_args: EngineArgs, prompt_lens: list[int], output_len: int) -> dic
             "seconds_kept": kept["seconds"],
             "same_tokens": released["tokens"] == kept["tokens"],
         })  # fmt: skip
-    _use_manager(engine, windows)
     return {
         "model": engine.model_name,
         "kv_cache_groups": spec.describe(),

@@ -112,10 +112,10 @@ class StepTimer:
         self._sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
         self._acc: dict[str, float] | None = None  # the current step's seconds per wrapped call
         self._batch: dict[str, float] = {}
-        runner = engine.runner
+        runner = engine.executor.driver_worker.model_runner
         self._wrap(engine.scheduler, "schedule", "schedule", self._record_batch)
         self._wrap(runner, "execute_model", "execute_model")
-        self._wrap(runner, "_step_inputs", "prepare_inputs")  # host arrays
+        self._wrap(runner, "prepare_inputs", "prepare_inputs")  # host arrays
         self._wrap(runner, "_attention_metadata", "prepare_inputs")  # and their tensors
         self._wrap(runner.model, "forward", "forward")  # nn.Module.__call__ finds it
         self._wrap(runner.model, "compute_logits", "compute_logits")

@@ -146,6 +146,11 @@ class Scheduler:
         del self.requests[group.request_id]
         self._finished_since_last_step.add(group.request_id)
 
+    def is_id_in_use(self, request_id: str) -> bool:
+        """Whether `request_id` names an unfinished request or a live sequence (a fork's id,
+        such as "r#1", must not become another request's)."""
+        return request_id in self.requests or request_id in self.kv_cache_manager.req_to_blocks
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

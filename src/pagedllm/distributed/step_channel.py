@@ -1,13 +1,15 @@
-"""Rank 0 tells the other ranks what to run, one broadcast of a fixed header and one of an int64
-payload per message: the step's block moves and the model's inputs as host arrays (token ids,
-positions, block tables, lengths), or the rows whose logits to compute, or shutdown. The
-scheduler and the KV block manager run on rank 0 only; the other ranks replay its decisions
-on their shards of the model and of the KV pool (the same block ids everywhere). Host tensors,
-on the gloo group (distributed.parallel.cpu_group) also when the model's collectives use NCCL."""
+"""The step message: what every rank runs in one engine step, as host arrays. Rank 0 (the
+scheduler and the KV block manager run there only) builds it from the SchedulerOutput, sends it
+to the other ranks, and runs it itself; so every rank replays the same decisions on its shards of
+the model and of the KV pool (the same block ids everywhere).
+
+On the wire, one broadcast of a fixed int64 header and one of an int64 payload per message (host
+tensors, on the gloo group, distributed.parallel.cpu_group, also when the model's collectives
+use NCCL): a step, or shutdown."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,23 +17,31 @@ import torch.distributed as dist
 
 from pagedllm.distributed.parallel import COMM_BYTES, cpu_group
 
-STEP, LOGITS, SHUTDOWN = 1, 2, 3
-HEADER = 16  # kind, 7 sizes, up to 8 KV cache groups' table widths
+STEP, SHUTDOWN = 1, 2
+_NUM_SIZES = 8  # swap out, swap in, copies, tokens, requests, two logits row sets, groups
+MAX_KV_CACHE_GROUPS = 16
+HEADER = 1 + _NUM_SIZES + MAX_KV_CACHE_GROUPS  # kind, sizes, each group's table width
+
+_EMPTY = np.empty(0, np.int64)
 
 
 @dataclass
 class StepInputs:
-    """One step as host arrays: the block moves, then the forward's inputs (num tokens 0: none)."""
+    """One step: the block moves, then the forward's inputs (no tokens: moves only), then the
+    rows of the hidden states whose logits are computed: for prompt logprobs, then to sample
+    (two separate LM-head calls, as a matmul's rounding may depend on its row count)."""
 
     swap_out: np.ndarray  # [n, 2] (device block, cpu block)
     swap_in: np.ndarray  # [n, 2] (cpu block, device block)
     copies: np.ndarray  # [n, 2] (source, destination)
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    req_index: np.ndarray  # [T] the request of each token
-    query_lens: np.ndarray  # [R]
-    seq_lens: np.ndarray  # [R]
-    block_tables: list[np.ndarray]  # per KV cache group, [R, max blocks]
+    input_ids: np.ndarray = field(default_factory=lambda: _EMPTY)  # [T]
+    positions: np.ndarray = field(default_factory=lambda: _EMPTY)  # [T]
+    req_index: np.ndarray = field(default_factory=lambda: _EMPTY)  # [T] the request of each token
+    query_lens: np.ndarray = field(default_factory=lambda: _EMPTY)  # [R]
+    seq_lens: np.ndarray = field(default_factory=lambda: _EMPTY)  # [R]
+    block_tables: list[np.ndarray] = field(default_factory=list)  # per KV cache group, [R, B]
+    prompt_logits_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [P]
+    sample_logits_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [S]
 
 
 def pairs(moves) -> np.ndarray:
@@ -51,49 +61,44 @@ def _broadcast(header: list[int], payload: np.ndarray) -> None:
 
 def send_step(s: StepInputs) -> None:
     tables = s.block_tables
-    if len(tables) > HEADER - 8:
-        raise ValueError(f"at most {HEADER - 8} KV cache groups with tensor parallelism")
-    sizes = [len(s.swap_out), len(s.swap_in), len(s.copies), len(s.input_ids), len(s.query_lens)]
-    widths = [t.shape[1] for t in tables] if len(s.input_ids) else []
+    if len(tables) > MAX_KV_CACHE_GROUPS:
+        raise ValueError(f"at most {MAX_KV_CACHE_GROUPS} KV cache groups with tensor parallelism")
+    sizes = [len(s.swap_out), len(s.swap_in), len(s.copies), len(s.input_ids), len(s.query_lens),
+             len(s.prompt_logits_rows), len(s.sample_logits_rows), len(tables)]  # fmt: skip
     parts = [s.swap_out, s.swap_in, s.copies, s.input_ids, s.positions, s.req_index,
-             s.query_lens, s.seq_lens, *tables]  # fmt: skip
+             s.query_lens, s.seq_lens, s.prompt_logits_rows, s.sample_logits_rows,
+             *tables]  # fmt: skip
     payload = np.concatenate([np.asarray(p, np.int64).ravel() for p in parts])
-    _broadcast([STEP, *sizes, len(widths), *widths], payload)
-
-
-def send_logits(rows: np.ndarray) -> None:
-    _broadcast([LOGITS, len(rows)], np.asarray(rows, np.int64))
+    _broadcast([STEP, *sizes, *(t.shape[1] for t in tables)], payload)
 
 
 def send_shutdown() -> None:
-    _broadcast([SHUTDOWN], np.empty(0, np.int64))
+    _broadcast([SHUTDOWN], _EMPTY)
 
 
-def receive() -> tuple[int, StepInputs | np.ndarray | None]:
-    """(kind, what): STEP and its StepInputs, LOGITS and its rows, SHUTDOWN and None."""
+def receive() -> StepInputs | None:
+    """The next step rank 0 sends, or None when it says shutdown."""
     head = torch.empty(HEADER, dtype=torch.int64)
     dist.broadcast(head, src=0, group=cpu_group())
     h = head.tolist()
-    kind = h[0]
-    if kind == SHUTDOWN:
-        return kind, None
-    if kind == LOGITS:
-        return kind, _payload(h[1])
-    n_out, n_in, n_copy, tokens, reqs, groups = h[1:7]
-    widths = h[7 : 7 + groups]
-    sizes = [2 * n_out, 2 * n_in, 2 * n_copy, tokens, tokens, tokens, reqs, reqs,
-             *(reqs * w for w in widths)]  # fmt: skip
+    if h[0] == SHUTDOWN:
+        return None
+    n_out, n_in, n_copy, tokens, reqs, n_prompt, n_sample, groups = h[1 : 1 + _NUM_SIZES]
+    widths = h[1 + _NUM_SIZES : 1 + _NUM_SIZES + groups]
+    sizes = [2 * n_out, 2 * n_in, 2 * n_copy, tokens, tokens, tokens, reqs, reqs, n_prompt,
+             n_sample, *(reqs * w for w in widths)]  # fmt: skip
     parts = np.split(_payload(sum(sizes)), np.cumsum(sizes)[:-1])
-    return kind, StepInputs(
+    return StepInputs(
         parts[0].reshape(-1, 2), parts[1].reshape(-1, 2), parts[2].reshape(-1, 2),
         parts[3], parts[4], parts[5], parts[6], parts[7],
-        [p.reshape(reqs, w).astype(np.int32) for p, w in zip(parts[8:], widths, strict=True)],
+        [p.reshape(reqs, w).astype(np.int32) for p, w in zip(parts[10:], widths, strict=True)],
+        parts[8], parts[9],
     )  # fmt: skip
 
 
 def _payload(n: int) -> np.ndarray:
     if n == 0:
-        return np.empty(0, np.int64)
+        return _EMPTY
     t = torch.empty(n, dtype=torch.int64)
     dist.broadcast(t, src=0, group=cpu_group())
     return t.numpy()

@@ -41,7 +41,7 @@ def kv_snapshot(engine, check: bool = False) -> dict:
     """The snapshot of `engine` (an LLMEngine) now. `check`: also run the scheduler's integrity
     check (the KV cache manager's, and only live sequences hold blocks) and report its verdict
     (it walks the pool again)."""
-    scheduler = engine.scheduler
+    scheduler, config = engine.scheduler, engine.config
     kv = scheduler.kv_cache_manager
     pools = kv.snapshot()
     device, swap = pools["device"], pools["swap"]
@@ -98,13 +98,13 @@ def kv_snapshot(engine, check: bool = False) -> dict:
         "time": time.time(),
         "model": engine.model_name,
         "config": {
-            "block_size": engine.block_size,
-            "num_kv_cache_groups": len(getattr(kv, "groups", [None])),
-            "kv_allocation": engine.args.kv_allocation,
+            "block_size": config.cache.block_size,
+            "num_kv_cache_groups": len(engine.kv_cache_spec.groups),
+            "kv_allocation": config.cache.kv_allocation,
             "enable_prefix_caching": kv.enable_prefix_caching,
-            "preemption_mode": engine.args.preemption_mode,
-            "max_model_len": engine.max_model_len,
-            "max_num_seqs": engine.args.max_num_seqs,
+            "preemption_mode": config.scheduler.preemption_mode,
+            "max_model_len": config.scheduler.max_model_len,
+            "max_num_seqs": config.scheduler.max_num_seqs,
         },
         "pool": device,
         "swap": swap,

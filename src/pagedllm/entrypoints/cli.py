@@ -448,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if getattr(ns, "tensor_parallel_size", 1) > 1:
-            from pagedllm.distributed.workers import launched_rank, run_worker
+            from pagedllm.distributed.process_group import launched_rank
+            from pagedllm.engine.arg_utils import create_engine_config
+            from pagedllm.executor.multiproc import run_worker
 
             rank = launched_rank()
             if rank:  # torchrun started this rank > 0: it serves rank 0's steps, nothing else
-                run_worker(engine_args_from(ns), rank)
+                run_worker(create_engine_config(engine_args_from(ns)), rank)
                 return 0
         return ns.func(ns) or 0
     except ValueError as e:  # bad flags or input: a clear message, no traceback

@@ -52,9 +52,14 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         sample_indices: list[int] | None = None,
+        generators: dict[str, dict[int, torch.Generator]] | None = None,
     ) -> SamplingMetadata:
         """One row per (request, sample index): a sequence group's first token repeats its
-        sequence once per sample, each drawing from its own seeded generator."""
+        sequence once per sample, each drawing from its own seeded generator. `generators`
+        (request id -> sample index -> generator: the caller's, kept across steps) gets the
+        generators of seeded samples drawing for the first time."""
+        if generators is None:
+            generators = {}
         if sample_indices is None:
             sample_indices = [r.sample_index for r in requests]
         params = [r.sampling_params for r in requests]
@@ -68,7 +73,7 @@ class SamplingMetadata:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         temperature = greedy_mask = top_k = top_p = min_p = None
-        generators: dict[int, torch.Generator] = {}
+        row_generators: dict[int, torch.Generator] = {}
         if not all_greedy:
             # Greedy rows get neutral values so the random path does no harm (or work) there.
             rand = [None if g else p for p, g in zip(params, greedy, strict=True)]
@@ -85,15 +90,15 @@ class SamplingMetadata:
             for i, p in enumerate(rand):
                 if p is None or p.seed is None:
                     continue
-                # Created once per sample and kept on the group so the stream continues across
+                # Created once per sample and kept by the caller so the stream continues across
                 # steps; sample i is seeded with seed + i, like n independent requests.
-                group_generators = requests[i].group.generators
+                request_generators = generators.setdefault(requests[i].request_id, {})
                 index = sample_indices[i]
-                if index not in group_generators:
+                if index not in request_generators:
                     gen = torch.Generator(device=device)
                     gen.manual_seed(p.seed + index)
-                    group_generators[index] = gen
-                generators[i] = group_generators[index]
+                    request_generators[index] = gen
+                row_generators[i] = request_generators[index]
 
         def pairs(rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             # Flat (row, token) pairs, built in numpy: much faster than torch.tensor on long
@@ -168,7 +173,7 @@ class SamplingMetadata:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            generators=generators,
+            generators=row_generators,
             presence_penalties=presence,
             frequency_penalties=frequency,
             repetition_penalties=repetition,

@@ -1,9 +1,16 @@
-"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples."""
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples.
+
+A step has three parts, so that every rank of a tensor-parallel group runs the same message:
+`prepare_inputs` (rank 0) makes the step message (distributed/step_channel.py: block moves,
+token ids, positions, block tables, the rows whose logits are needed) and a plan of what to do
+with the logits; `execute` (every rank) moves blocks, runs the forward pass and the LM head;
+`sample` (rank 0) draws tokens, beam candidates and logprobs. The runner also owns each
+request's device state: the seeded generators of its samples, dropped when it finishes."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -11,25 +18,31 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import ModelArchConfig
-from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.distributed import head_shard, step_channel, tp_group
 from pagedllm.distributed.step_channel import StepInputs, pairs
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, beam_candidates, gather_logprobs
+from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 
-logger = logging.getLogger(__name__)
+
+@dataclass
+class StepPlan:
+    """Rank 0's side of a step message: who the logits rows belong to."""
+
+    sample_reqs: list[Request] = field(default_factory=list)  # one per sample_logits_rows row
+    # One per prompt_logits_rows row: the request and the prompt position the row scores.
+    prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)  # the token at that position
 
 
-def kv_cache_spec(config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    """This rank's KV cache (its share of the KV heads with tensor parallelism)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    heads = head_shard(config).num_kv_heads
-    if heads != config.num_key_value_heads:
-        config = dataclasses.replace(config, num_key_value_heads=heads)
-    return KVCacheSpec.from_config(config, block_size, element_size)
+@dataclass
+class StepLogits:
+    """The logits `execute` computed (gathered on rank 0; None where a row set is empty)."""
+
+    prompt: torch.Tensor | None
+    sample: torch.Tensor | None
 
 
 class ModelRunner:
@@ -50,64 +63,19 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_spec = kv_cache_spec(config, block_size, dtype)
         self.sampler = Sampler(seed=seed)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.kv_pool: torch.Tensor | None = None
-        self.num_copied_blocks = 0  # copy-on-write block copies done, for tests and stats
-        self.swap_pool: torch.Tensor | None = None  # host memory, the same layout as kv_pool
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
-        self.num_kv_heads = head_shard(config).num_kv_heads
-        self.tp_size = tp_group().size  # rank 0 sends each step to the others (step_channel)
+        # Per request id: sample index -> the generator of a seeded sample, created on its first
+        # token and carried across steps (and preemptions) until the request finishes.
+        self.generators: dict[str, dict[int, torch.Generator]] = {}
+        self.kv_cache: KVCache | None = None
         # Block copies (copy-on-write, swap) run on the attention backend's kernels.
-        self.copy_pool_blocks = get_attention_backend(attention_backend, device).copy_blocks
+        self._copy_blocks = get_attention_backend(attention_backend, device).copy_blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One preallocated pool [group_size, 2, num_blocks, block_size, kvh, d]: each layer's K
-        and V are the [num_blocks, block_size, kvh, d] tensors of its slot (kv_cache_spec.py);
-        without sliding windows there is one group and slot i is layer i."""
-        c, spec = self.config, self.kv_cache_spec
-        shape = (spec.group_size, 2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
-        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_pool = pool
-        slots = spec.layer_slots()
-        self.kv_caches = [
-            (pool[slots[i][1], 0], pool[slots[i][1], 1]) for i in range(c.num_hidden_layers)
-        ]
-
-    def allocate_swap_space(self, num_cpu_blocks: int) -> None:
-        """The swap space: a second pool in host memory (pinned when the cache is on a GPU, so
-        that copies are DMA). On CPU it is separate memory from kv_pool all the same."""
-        shape = (*self.kv_pool.shape[:2], num_cpu_blocks, *self.kv_pool.shape[3:])
-        pin = self.device.type == "cuda"
-        self.swap_pool = torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
-
-    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Out first ((device, cpu) pairs), then in ((cpu, device) pairs): a device block swapped
-        out in this step may be the destination of a swap-in. Per direction, the blocks are
-        gathered into one staging buffer and cross between host and device in one copy."""
-        if swap_out:
-            dev, cpu = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_out, strict=True))
-            shape = (*self.kv_pool.shape[:2], len(dev), *self.kv_pool.shape[3:])
-            staged = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.copy_pool_blocks(self.kv_pool, staged, dev.to(self.device),
-                                  torch.arange(len(dev), device=self.device))  # fmt: skip
-            self.swap_pool.index_copy_(2, cpu, staged.cpu())
-            self.num_swapped_out_blocks += len(swap_out)
-        if swap_in:
-            cpu, dev = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_in, strict=True))
-            staged = self.swap_pool.index_select(2, cpu).to(self.device)
-            self.copy_pool_blocks(staged, self.kv_pool, torch.arange(len(dev), device=self.device),
-                                  dev.to(self.device))  # fmt: skip
-            self.num_swapped_in_blocks += len(swap_in)
-
-    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        """Copy-on-write: every (source, destination) block of the step, in all layers, K and V,
-        in one call over the pool."""
-        src, dst = zip(*blocks_to_copy, strict=True)
-        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        self.copy_pool_blocks(self.kv_pool, self.kv_pool, src_t, dst_t)
-        self.num_copied_blocks += len(blocks_to_copy)
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.kv_cache = None  # the old pool goes before the new one is allocated
+        self.kv_cache = KVCache(
+            self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, num_cpu_blocks,
+            self.dtype, self.device, self._copy_blocks,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
@@ -115,27 +83,37 @@ class ModelRunner:
         rows: the step with the largest activation footprint, for memory profiling."""
         bs, dev = self.block_size, self.device
         num_blocks = -(-num_tokens // bs)
-        saved = self.kv_caches, self.kv_pool
-        self.allocate_kv_cache(num_blocks)
+        cache = KVCache(self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, 0,
+                        self.dtype, dev, self._copy_blocks)  # fmt: skip
         tables = [np.arange(num_blocks, dtype=np.int32)[None]] * len(self.kv_cache_spec.groups)
         positions = np.arange(num_tokens)
         meta = self._attention_metadata(tables, positions, np.zeros(num_tokens, np.int64),
                                         [num_tokens], [num_tokens])  # fmt: skip
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        positions = torch.arange(num_tokens, device=dev)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, torch.arange(num_tokens, device=dev), cache.layers, meta)
         self.model.compute_logits(hidden[: min(num_logits, num_tokens)])
-        self.kv_caches, self.kv_pool = saved
 
-    def _step_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list[Request], np.ndarray]:
-        """The step as host arrays (what the other ranks of a tensor-parallel group receive),
-        the requests to sample, and the rows of their logits."""
-        moves = [pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in),
-                 pairs(so.blocks_to_copy)]  # fmt: skip
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, send=None) -> ModelRunnerOutput:
+        """The whole step on rank 0; `send` hands the step message to the other ranks first."""
+        step, plan = self.prepare_inputs(so)
+        if send is not None:
+            send(step)
+        return self.sample(so, plan, self.execute(step))
+
+    def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, StepPlan]:
+        """The step as host arrays (what the other ranks of a tensor-parallel group receive)
+        and the plan for its logits. Finished requests' generators are dropped first: a new
+        request may reuse a finished one's id in this very step."""
+        for request_id in so.finished_request_ids:
+            self.generators.pop(request_id, None)
+        step = StepInputs(
+            pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in), pairs(so.blocks_to_copy)
+        )
         reqs = so.scheduled_requests
         if not reqs:
-            empty = np.empty(0, np.int64)
-            return StepInputs(*moves, empty, empty, empty, empty, empty, []), [], empty
+            return step, StepPlan()
         num_scheduled = np.array([so.num_scheduled_tokens[r.seq_id] for r in reqs], np.int64)
         num_computed = np.array([r.num_computed_tokens for r in reqs], np.int64)
         query_start_loc = np.zeros(len(reqs) + 1, np.int64)
@@ -162,19 +140,44 @@ class ModelRunner:
                 block_table[i, : len(ids)] = ids
             block_tables.append(block_table)
 
+        plan = StepPlan()
+        prompt_rows = self._plan_prompt_logprobs(so, plan)
         sample_rows = [i for i, r in enumerate(reqs) if so.needs_sample(r)]
-        logits_indices = query_start_loc[1:][sample_rows] - 1
-        step = StepInputs(*moves, input_ids, positions, req_index, num_scheduled, seq_lens,
-                          block_tables)  # fmt: skip
-        return step, [reqs[i] for i in sample_rows], logits_indices
+        plan.sample_reqs = [reqs[i] for i in sample_rows]
+        step = dataclasses.replace(
+            step, input_ids=input_ids, positions=positions, req_index=req_index,
+            query_lens=num_scheduled, seq_lens=seq_lens, block_tables=block_tables,
+            prompt_logits_rows=np.asarray(prompt_rows, np.int64),
+            sample_logits_rows=query_start_loc[1:][sample_rows] - 1,
+        )  # fmt: skip
+        return step, plan
 
-    def _run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Block moves first, before any layer writes this step's K/V; then the forward pass
-        (hidden states [T, hidden], or None without tokens)."""
+    def _plan_prompt_logprobs(self, so: SchedulerOutput, plan: StepPlan) -> list[int]:
+        """The rows scoring prompt tokens, for requests asking prompt_logprobs: every prompt
+        token this step can score (the logits at position p score the prompt token at p + 1;
+        chunk ends are scored too, since the whole prompt is known)."""
+        start, rows = 0, []
+        for r in so.scheduled_requests:
+            n = so.num_scheduled_tokens[r.seq_id]
+            if r.sampling_params.prompt_logprobs is not None:
+                first = r.num_computed_tokens
+                end = min(first + n, r.num_prompt_tokens - 1)
+                for p in range(first, end):
+                    rows.append(start + p - first)
+                    plan.prompt_targets.append(r.prompt_token_ids[p + 1])
+                    plan.prompt_owners.append((r, p + 1))
+            start += n
+        return rows
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> StepLogits | None:
+        """Every rank: block moves first, before any layer writes this step's K/V; then the
+        forward pass and the logits of the step's rows (None without tokens)."""
+        kv = self.kv_cache
         if len(step.swap_out) or len(step.swap_in):
-            self.swap_blocks(step.swap_out.tolist(), step.swap_in.tolist())
+            kv.swap(step.swap_out.tolist(), step.swap_in.tolist())
         if len(step.copies):
-            self.copy_blocks(step.copies.tolist())
+            kv.copy(step.copies.tolist())
         if not len(step.input_ids):
             return None
         meta = self._attention_metadata(
@@ -182,27 +185,18 @@ class ModelRunner:
         )
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, kv.layers, meta)
+        return StepLogits(
+            self._logits(hidden, step.prompt_logits_rows),
+            self._logits(hidden, step.sample_logits_rows),
+        )
 
-    def _logits(self, hidden: torch.Tensor, rows) -> torch.Tensor | None:
-        """The logits of hidden's `rows` (on rank 0; the other ranks compute their shards)."""
-        rows = np.asarray(rows, np.int64)
-        if self.tp_size > 1:
-            step_channel.send_logits(rows)
+    def _logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor | None:
+        """The logits of hidden's `rows`: on rank 0, gathered; elsewhere this rank computes its
+        vocabulary shard (and gets None)."""
+        if not len(rows):
+            return None
         return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
-
-    @torch.inference_mode()
-    def run_worker(self) -> None:
-        """Ranks other than 0: replay rank 0's steps until it says shutdown."""
-        hidden = None
-        while True:
-            kind, what = step_channel.receive()
-            if kind == step_channel.SHUTDOWN:
-                return
-            if kind == step_channel.STEP:
-                hidden = self._run_step(what)
-            else:
-                self.model.compute_logits(hidden[torch.from_numpy(what).to(self.device)])
 
     def _attention_metadata(self, block_tables, positions, req_index, query_lens, seq_lens):
         """The batch's metadata: one per KV cache group when there are several (slots come from
@@ -231,22 +225,22 @@ class ModelRunner:
         layer_group = [layer_slots[i][0] for i in range(self.config.num_hidden_layers)]
         return dataclasses.replace(metas[0], groups=metas, layer_group=layer_group)
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        step, sample_reqs, logits_indices = self._step_inputs(so)
-        if self.tp_size > 1:
-            step_channel.send_step(step)
-        hidden = self._run_step(step)
-        if hidden is None:
-            return ModelRunnerOutput({})
+    # -- rank 0: from logits to tokens --------------------------------------------------------
+    def sample(
+        self, so: SchedulerOutput, plan: StepPlan, logits: StepLogits | None
+    ) -> ModelRunnerOutput:
         output = ModelRunnerOutput({})
-        self._prompt_logprobs(so, hidden, output)
-        if not sample_reqs:
+        if logits is None:
             return output
-        logits = self._logits(hidden, logits_indices)
+        if logits.prompt is not None:
+            self._prompt_logprobs(logits.prompt, plan, output)
+        if not plan.sample_reqs:
+            return output
+        sample_logits, sample_reqs = logits.sample, plan.sample_reqs
         beam_rows = [i for i, r in enumerate(sample_reqs) if r.group.is_beam_search]
         if beam_rows:
-            self._beam_candidates(logits, [sample_reqs[i] for i in beam_rows], beam_rows, output)
+            beams = [sample_reqs[i] for i in beam_rows]
+            self._beam_candidates(sample_logits, beams, beam_rows, output)
             if len(beam_rows) == len(sample_reqs):
                 return output
         # One row per sample: a group's first token repeats its sequence's logits per sample.
@@ -259,36 +253,19 @@ class ModelRunner:
             row_reqs += [r] * n
             sample_indices += range(n) if n > 1 else [r.sample_index]
         if rows != list(range(len(sample_reqs))):  # not just a length check: beam rows out
-            logits = logits[torch.tensor(rows, device=self.device)]  # and fork rows in can tie
-        self._sample(logits, row_reqs, sample_indices, output)
+            sample_logits = sample_logits[torch.tensor(rows, device=self.device)]  # and forks in
+        self._sample(sample_logits, row_reqs, sample_indices, output)
         return output
 
     def _prompt_logprobs(
-        self, so: SchedulerOutput, hidden: torch.Tensor, output: ModelRunnerOutput
+        self, logits: torch.Tensor, plan: StepPlan, output: ModelRunnerOutput
     ) -> None:
-        """For requests asking prompt_logprobs: the raw logprob, rank and top-k of every prompt
-        token this step can score (the logits at position p score the prompt token at p + 1;
-        chunk ends are scored too, since the whole prompt is known)."""
-        start = 0
-        rows, targets, owners = [], [], []
-        for r in so.scheduled_requests:
-            n = so.num_scheduled_tokens[r.seq_id]
-            if r.sampling_params.prompt_logprobs is not None:
-                first, end = (
-                    r.num_computed_tokens,
-                    min(r.num_computed_tokens + n, r.num_prompt_tokens - 1),
-                )
-                for p in range(first, end):
-                    rows.append(start + p - first)
-                    targets.append(r.prompt_token_ids[p + 1])
-                    owners.append((r, p + 1))
-            start += n
-        if not rows:
-            return
-        logits = self._logits(hidden, rows)
+        """The raw logprob, rank and top-k of every prompt token the step scored."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
+        owners = plan.prompt_owners
         k = max(r.sampling_params.prompt_logprobs for r, _ in owners)
-        ids, lps, ranks = gather_logprobs(logprobs, k, torch.tensor(targets, device=self.device))
+        targets = torch.tensor(plan.prompt_targets, device=self.device)
+        ids, lps, ranks = gather_logprobs(logprobs, k, targets)
         ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
         for row, (r, position) in enumerate(owners):
             kr = r.sampling_params.prompt_logprobs
@@ -304,7 +281,7 @@ class ModelRunner:
         output: ModelRunnerOutput,
     ) -> None:
         md = SamplingMetadata.from_requests(
-            row_reqs, self.config.vocab_size, self.device, sample_indices
+            row_reqs, self.config.vocab_size, self.device, sample_indices, self.generators
         )
         out = self.sampler(logits, md)
         token_ids = out.sampled_token_ids.tolist()

@@ -1,0 +1,129 @@
+"""From a user's prompt and SamplingParams to a Request the scheduler can always finish:
+tokenizing, every check a request must pass before it is queued (with the fix in the message),
+the resolved output budget, and the structured-output grammar."""
+
+from __future__ import annotations
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_spec import KVCacheSpec
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
+
+# A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+    def __init__(
+        self, config: EngineConfig, tokenizer, kv_cache_spec: KVCacheSpec, num_blocks: int
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.kv_cache_spec = kv_cache_spec
+        self.num_blocks = num_blocks
+        self.eos_token_ids = list(config.model.arch.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            if tokenizer.eos_token_id not in self.eos_token_ids:
+                self.eos_token_ids.append(tokenizer.eos_token_id)
+        self._structured_output_manager: StructuredOutputManager | None = None  # on first use
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None,
+        cache_salt: str | None,
+    ) -> Request:
+        """The request's first sequence (its group is `request.group`); ValueError if it is
+        one the engine must refuse."""
+        config = self.config
+        max_num_seqs = config.scheduler.max_num_seqs
+        if params.num_sequences > max_num_seqs:
+            raise ValueError(
+                f"the request runs {params.num_sequences} sequences (n, best_of or beam width), "
+                f"more than max_num_seqs ({max_num_seqs}): lower it or raise --max-num-seqs"
+            )
+        allocation = config.cache.kv_allocation
+        if params.num_sequences > 1 and allocation != "paged":
+            raise ValueError(
+                f"--kv-allocation {allocation} runs one sequence per request: "
+                "n, best_of and beam search need paged KV blocks"
+            )
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids)
+        vocab = config.model.arch.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        room = config.scheduler.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self._validate_group(params.num_sequences, len(token_ids) + max_tokens)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            max_tokens,
+            text,
+            arrival_time,
+            cache_salt=cache_salt,
+        )
+        if params.structured_outputs is not None:
+            request.grammar = self._structured_outputs().grammar(params.structured_outputs)
+        return request
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and it has none")
+        if self._structured_output_manager is None:
+            self._structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.config.model.arch.vocab_size, self.eos_token_ids
+            )
+        return self._structured_output_manager
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        max_model_len = self.config.scheduler.max_model_len
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{max_model_len}: shorten the prompt (it needs room for at least one "
+                "generated token) or raise --max-model-len"
+            )
+        vocab = self.config.model.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+
+    def _validate_group(self, num_seqs: int, max_len: int) -> None:
+        """Refuse a group the scheduler could never finish (it would loop forever): its
+        sequences decode in lockstep, so all must fit one step's token budget; and a preempted
+        group is recomputed with nothing shared, so it must fit the pool as num_seqs separate
+        sequences (a single sequence always does: checked at start-up)."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        if num_seqs > budget:
+            raise ValueError(
+                f"the request runs {num_seqs} sequences (n, best_of or beam width), which decode "
+                f"together, but max_num_batched_tokens is {budget}: raise "
+                "--max-num-batched-tokens or lower n / best_of"
+            )
+        need = num_seqs * self.kv_cache_spec.max_num_blocks(max_len, chunk=budget)
+        if num_seqs > 1 and need > self.num_blocks:
+            raise ValueError(
+                f"the request runs {num_seqs} sequences of up to {max_len} tokens, which need "
+                f"{need} blocks of the KV cache, but it has {self.num_blocks}: lower n / best_of "
+                "or max_tokens, or raise --kv-cache-memory"
+            )

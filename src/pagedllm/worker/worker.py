@@ -1,0 +1,171 @@
+"""A worker: one rank of the model. It takes its device and its share of the cores, builds its
+shard of the model through the loader, sizes its KV cache from the memory budget and allocates
+it, and runs steps through its model runner. Rank 0's worker lives in the engine's process;
+the others replay rank 0's step messages (`run_steps`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from pagedllm.attention.selector import resolve_backend_name
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.core.kv_cache_spec import KVCacheSpec
+from pagedllm.cpu_info import available_cpus
+from pagedllm.distributed import step_channel
+from pagedllm.model_loader.build import build_model
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def same_pool(a: tuple[CacheConfig, SchedulerConfig], b: tuple[CacheConfig, SchedulerConfig]):
+    """Whether two (cache, scheduler) configs size the same KV pool (the block manager's
+    policy and prefix caching do not change it)."""
+    (cache_a, sched_a), (cache_b, sched_b) = a, b
+    neutral = {"kv_allocation": "paged", "enable_prefix_caching": True}
+    return (
+        dataclasses.replace(cache_a, **neutral) == dataclasses.replace(cache_b, **neutral)
+        and sched_a == sched_b
+    )
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device.device)
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.model: torch.nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+        self.weight_bytes = 0
+        self.attention_backend = config.device.attention_backend
+        self.num_gpu_blocks = self.num_cpu_blocks = 0
+        self._cache_configs: tuple[CacheConfig, SchedulerConfig] | None = None
+
+    def init_device(self) -> None:
+        """The seed, this rank's share of the CPU cores, and its GPU (one per rank)."""
+        torch.manual_seed(self.config.model.seed)
+        tp_size = self.config.parallel.tensor_parallel_size
+        if self.device.type == "cpu":
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))  # torchrun sets it
+            cores = max(1, available_cpus() // ranks_here)  # each rank its share of the cores
+            if torch.get_num_threads() > cores:
+                # More compute threads than cores: OpenMP's barriers wait on descheduled threads.
+                torch.set_num_threads(cores)
+            logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(), cores)
+        elif self.device.type == "cuda" and tp_size > 1:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank)))
+            torch.cuda.set_device(self.device)
+
+    def load_model(self) -> None:
+        self.attention_backend = resolve_backend_name(
+            self.config.device.attention_backend, self.device
+        )
+        built = build_model(
+            self.config.model, self.config.load, self.device, self.attention_backend
+        )
+        self.model, self.weight_bytes = built.model, built.weight_bytes
+
+    # -- the KV cache ---------------------------------------------------------------------------
+    def prepare_cache(self, cache: CacheConfig, scheduler: SchedulerConfig) -> bool:
+        """A runner for `cache`'s block size, then `num_kv_blocks` and `initialize_cache`; or
+        False if the pool it has already fits these configs (another engine takes it over: the
+        runner forgets the requests of the one before)."""
+        if self._cache_configs is not None and same_pool(self._cache_configs, (cache, scheduler)):
+            self._cache_configs = (cache, scheduler)
+            self.model_runner.generators.clear()
+            return False
+        self._cache_configs = (cache, scheduler)
+        if self.model_runner is not None:
+            self.model_runner.kv_cache = None  # free the old pool before sizing the new one
+        m = self.config.model
+        self.model_runner = ModelRunner(
+            self.model, m.arch, cache.block_size, self.device, self.dtype, seed=m.seed,
+            attention_backend=self.attention_backend,
+        )  # fmt: skip
+        return True
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.model_runner.kv_cache_spec
+
+    def num_kv_blocks(self) -> int:
+        """Blocks of this rank's pool: the memory budget (profiled on a GPU) or the override;
+        a ValueError if it cannot hold one request of max_model_len at its peak."""
+        cache, sched = self._cache_configs
+        spec = self.kv_cache_spec
+        bytes_per_block = spec.bytes_per_block
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        else:
+            budget = cache.kv_cache_memory
+            num_blocks = (self._profile_cuda_kv_budget() if budget is None else budget) // (
+                bytes_per_block
+            )
+        # A request's blocks while decoding, and at its peak (a prefill chunk on top of a
+        # sliding window): the pool must hold one request at its peak.
+        max_len = sched.max_model_len
+        blocks_per_request = spec.max_num_blocks(max_len)
+        peak = spec.max_num_blocks(max_len, chunk=sched.max_num_batched_tokens)
+        logger.info(
+            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB (%s); "
+            "a %d-token request holds %d blocks (%.1f MiB): maximum concurrency %.2fx",
+            num_blocks, cache.block_size, spec.group_size, num_blocks * bytes_per_block / 2**30,
+            spec.describe(), max_len, blocks_per_request,
+            blocks_per_request * bytes_per_block / 2**20, num_blocks / blocks_per_request,
+        )  # fmt: skip
+        if num_blocks < peak:
+            raise ValueError(
+                f"the KV cache has {num_blocks} blocks, less than one request of max_model_len "
+                f"{max_len} needs ({peak}): raise --kv-cache-memory to at least "
+                f"{peak * bytes_per_block / 2**20:.0f}MiB or lower --max-model-len"
+            )
+        return num_blocks
+
+    def num_swap_blocks(self, num_blocks: int) -> int:
+        """Blocks of swap space: --swap-space GiB, never more than the KV cache itself (a
+        preempted group never holds more than the whole pool); none unless preemption swaps."""
+        cache, sched = self._cache_configs
+        if sched.preemption_mode != "swap":
+            return 0
+        bytes_per_block = self.kv_cache_spec.bytes_per_block
+        num_cpu_blocks = min(cache.swap_space_bytes // bytes_per_block, num_blocks)
+        logger.info(
+            "swap space: %d blocks, %.2f GiB of CPU memory (preemption mode: swap)",
+            num_cpu_blocks, num_cpu_blocks * bytes_per_block / 2**30,
+        )  # fmt: skip
+        if num_cpu_blocks == 0:
+            logger.warning("swap space is empty: every preemption will recompute")
+        return num_cpu_blocks
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
+        self.model_runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """What gpu_memory_utilization x total leaves after the peak of a forward pass over a
+        full token budget (weights + activations) and memory held outside torch."""
+        cache, sched = self._cache_configs
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run(sched.max_num_batched_tokens, sched.max_num_seqs)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return max(0, int(total * cache.gpu_memory_utilization) - peak - used_outside_torch)
+
+    # -- steps ------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output, send=None):
+        return self.model_runner.execute_model(scheduler_output, send)
+
+    def run_steps(self) -> None:
+        """Ranks other than 0: run rank 0's step messages until it says shutdown."""
+        while (step := step_channel.receive()) is not None:
+            self.model_runner.execute(step)
