@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.worker.model_runner import ModelRunner
 from tests.conftest import save_tiny_llama
 
