@@ -160,7 +160,7 @@ def test_groups_are_swapped_whole_and_give_the_same_outputs(tiny):
     def record(seqs):
         swapped_sizes.append(len(seqs))
         assert len({q.status for q in seqs}) == 1
-        swap_out(seqs)
+        return swap_out(seqs)
 
     scheduler.kv_cache_manager.swap_out = record
     assert run_engine(llm, prompts, params) == expected

@@ -8,7 +8,7 @@ hits only need the blocks inside the window before the hit point.
 Sharing and copy-on-write: a fork gives a new sequence the same block table, taking one more
 reference on every block. Only the block a step writes into can diverge: when a sequence is about
 to write into a partly filled block that others also hold, `allocate` gives it a fresh block and
-records a (source, destination) pair for the runner to copy before the forward pass. Full blocks
+returns a (source, destination) pair for the runner to copy before the forward pass. Full blocks
 are never written again, so they stay shared for good.
 
 Swapping: a swapped-out sequence's table moves to the swap space (`swapped_blocks`), one CPU
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pagedllm.core.block_hash import update_block_hashes
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_interface import BlockPair
 from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.request import Request
 
@@ -156,33 +157,32 @@ class KVCacheGroup:
             table[i] = NULL_BLOCK
 
     def allocate(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        hits: list[KVCacheBlock],
-        blocks_to_copy: list[tuple[int, int]],
-    ) -> None:
-        """Grow the sequence's table for `num_new_tokens` (room checked by the caller)."""
+        self, request: Request, num_new_tokens: int, hits: list[KVCacheBlock]
+    ) -> tuple[list[KVCacheBlock], BlockPair | None]:
+        """Grow the sequence's table for `num_new_tokens` (room checked by the caller): the new
+        blocks appended to it, and the copy-on-write pair if it had to copy a shared block."""
         req_id = request.seq_id
         blocks = self.req_to_blocks.setdefault(req_id, [])
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, blocks, len(hits))
         shared = self._shared_write_block(request, blocks)
+        copy_pair = None
         if shared is not None:
             # Copy-on-write: this sequence writes into its own copy; the others keep the block.
             (copy,) = self.block_pool.allocate(1)
             blocks[request.num_computed_tokens // self.block_size] = copy
             self.block_pool.free([shared])
-            blocks_to_copy.append((shared.block_id, copy.block_id))
+            copy_pair = (shared.block_id, copy.block_id)
         if hits:
             assert not blocks, "hit blocks are only taken by a sequence with an empty table"
             self.block_pool.touch(live_blocks(hits))
             blocks.extend(hits)
             self.num_cached_blocks[req_id] = len(hits)
-        if num_new_blocks:
-            blocks.extend(self.block_pool.allocate(num_new_blocks))
+        new_blocks = self.block_pool.allocate(num_new_blocks) if num_new_blocks else []
+        blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
             self._cache_full_blocks(request, blocks, num_tokens // self.block_size)
+        return new_blocks, copy_pair
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int
@@ -221,25 +221,33 @@ class KVCacheGroup:
         tables = self.swapped_blocks if swapped else self.req_to_blocks
         return len({b.block_id for r in requests for b in live_blocks(tables.get(r.seq_id, ()))})
 
-    def swap_out(self, requests, cpu_block_pool, pairs) -> None:
-        self.swapped_blocks.update(
-            _move(requests, self.req_to_blocks, self.block_pool, cpu_block_pool, pairs)
-        )
+    def swap_out(self, requests: list[Request], cpu_block_pool: BlockPool) -> list[BlockPair]:
+        """Move the sequences' tables to the swap space: the (device, cpu) pairs to copy."""
+        moved, pairs = _move(requests, self.req_to_blocks, self.block_pool, cpu_block_pool)
+        self.swapped_blocks.update(moved)
         for request in requests:
             self.num_cached_blocks.pop(request.seq_id, None)
+        return pairs
 
-    def swap_in(self, requests, cpu_block_pool, pairs) -> None:
-        self.req_to_blocks.update(
-            _move(requests, self.swapped_blocks, cpu_block_pool, self.block_pool, pairs)
-        )
+    def swap_in(self, requests: list[Request], cpu_block_pool: BlockPool) -> list[BlockPair]:
+        """Move the sequences' tables back to device blocks: the (cpu, device) pairs to copy."""
+        moved, pairs = _move(requests, self.swapped_blocks, cpu_block_pool, self.block_pool)
+        self.req_to_blocks.update(moved)
+        return pairs
 
 
-def _move(requests, tables, src_pool, dst_pool, pairs) -> dict[str, list[KVCacheBlock]]:
-    """New tables in `dst_pool` for the sequences' tables in `src_pool`: one destination block
-    per distinct source block, referenced as often as the source was (released entries stay
-    released)."""
+def _move(
+    requests: list[Request],
+    tables: dict[str, list[KVCacheBlock]],
+    src_pool: BlockPool,
+    dst_pool: BlockPool,
+) -> tuple[dict[str, list[KVCacheBlock]], list[BlockPair]]:
+    """New tables in `dst_pool` for the sequences' tables in `src_pool`, and the (source,
+    destination) pairs to copy: one destination block per distinct source block, referenced as
+    often as the source was (released entries stay released)."""
     mapping: dict[int, KVCacheBlock] = {}
     moved = {}
+    pairs: list[BlockPair] = []
     for request in requests:
         src_table = tables.pop(request.seq_id)
         dst_table = []
@@ -257,4 +265,4 @@ def _move(requests, tables, src_pool, dst_pool, pairs) -> dict[str, list[KVCache
             dst_table.append(dst)
         src_pool.free(reversed(live_blocks(src_table)))
         moved[request.seq_id] = dst_table
-    return moved
+    return moved, pairs

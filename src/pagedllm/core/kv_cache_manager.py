@@ -7,11 +7,12 @@ computes only the rest. Blocks become cacheable once their tokens are written: `
 registers every block that the tokens scheduled this step fill up, since the runner writes
 exactly those tokens in the same step.
 
-Sharing, copy-on-write and swapping happen per KV cache group (kv_cache_group.py). The runner
-copies each kind of pair in one batched operation before the forward: swap-outs first (their
-device blocks may be reused in the same step), then swap-ins, then copy-on-write copies.
-Swapping (preemption mode "swap") moves a group's blocks to a separate pool of CPU blocks, the
-swap space.
+Sharing, copy-on-write and swapping happen per KV cache group (kv_cache_group.py); the calls
+that need blocks copied return the (source, destination) pairs, and the scheduler hands a
+step's pairs to the runner, which copies each kind in one batched operation before the forward:
+swap-outs first (their device blocks may be reused in the same step), then swap-ins, then
+copy-on-write copies. Swapping (preemption mode "swap") moves a group's blocks to a separate
+pool of CPU blocks, the swap space.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from pagedllm.core.block_hash import update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group import NULL_BLOCK, KVCacheGroup, live_blocks
+from pagedllm.core.kv_cache_interface import Allocation, BlockPair
 from pagedllm.request import Request
 
 
@@ -44,11 +46,7 @@ class KVCacheManager:
         ]
         # The swap space: CPU blocks, the same layout as the device pool.
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
-        self.blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
-        self.blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
-        # Copy-on-write pairs (source block id, destination block id) not yet handed to a step.
-        self.blocks_to_copy: list[tuple[int, int]] = []
-        self.num_copied_blocks = 0
+        self.num_copied_blocks = 0  # copy-on-write copies handed out
         # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) request.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -109,17 +107,14 @@ class KVCacheManager:
         for group in self.groups:
             group.fork(parent, child)
 
-    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
-        pairs, self.blocks_to_copy = self.blocks_to_copy, []
-        return pairs
-
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[list[KVCacheBlock]] | None = None,
-    ) -> bool:
-        """Make room for `num_new_tokens` more tokens; False, changing nothing, if short.
+    ) -> Allocation | None:
+        """Make room for `num_new_tokens` more tokens: the new blocks and copy-on-write pairs,
+        or None, changing nothing, if short.
 
         `new_computed_blocks` (from `get_computed_blocks`, for a request being admitted) become the
         head of its tables; the caller then sets `num_computed_tokens` to the tokens they hold.
@@ -131,22 +126,28 @@ class KVCacheManager:
             for group, group_hits in zip(self.groups, hits, strict=True)
         )
         if cost > self.block_pool.num_free_blocks:
-            return False
+            return None
         for group in self.groups:  # released blocks first: the others may need them
             group.release(request)
-        num_copies = len(self.blocks_to_copy)
+        new_blocks, blocks_to_copy = [], []
         for group, group_hits in zip(self.groups, hits, strict=True):
-            group.allocate(request, num_new_tokens, group_hits, self.blocks_to_copy)
-        self.num_copied_blocks += len(self.blocks_to_copy) - num_copies
+            blocks, copy_pair = group.allocate(request, num_new_tokens, group_hits)
+            new_blocks.append(blocks)
+            if copy_pair is not None:
+                blocks_to_copy.append(copy_pair)
+        self.num_copied_blocks += len(blocks_to_copy)
         if new_computed_blocks is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(hits[0]) * self.block_size
-        return True
+        return Allocation(tuple(new_blocks), blocks_to_copy)
 
-    def allocate_group(self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]) -> bool:
+    def allocate_group(
+        self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]
+    ) -> list[Allocation] | None:
         """Admit several sequences at once, all or none: (sequence, new tokens, prefix-hit blocks
-        per group) each. The hit blocks are pinned first so that one sequence's allocation
-        cannot evict a cached block another one is about to reuse."""
+        per group) each; one Allocation per entry, or None, changing nothing. The hit blocks are
+        pinned first so that one sequence's allocation cannot evict a cached block another one
+        is about to reuse."""
         hit_blocks = list(
             {id(b): b for _, _, hits in entries for h in hits for b in live_blocks(h)}.values()
         )
@@ -156,13 +157,12 @@ class KVCacheManager:
                 need += group.allocation_cost(seq, num_new_tokens, group_hits)
                 need -= sum(1 for b in live_blocks(group_hits) if b.ref_cnt == 0)  # counted above
         if need > self.block_pool.num_free_blocks:
-            return False
+            return None
         self.block_pool.touch(hit_blocks)
-        for seq, num_new_tokens, hits in entries:
-            allocated = self.allocate_slots(seq, num_new_tokens, hits)
-            assert allocated, "counted above"
+        allocations = [self.allocate_slots(seq, n, hits) for seq, n, hits in entries]
+        assert None not in allocations, "counted above"
         self.block_pool.free(hit_blocks)
-        return True
+        return allocations
 
     def free(self, request: Request) -> None:
         """Return the sequence's blocks (its swap-space blocks too, if it is swapped out)."""
@@ -179,21 +179,16 @@ class KVCacheManager:
     def num_swap_in_blocks(self, requests: list[Request]) -> int:
         return sum(group.num_distinct_blocks(requests, swapped=True) for group in self.groups)
 
-    def swap_out(self, requests: list[Request]) -> None:
-        """Move the sequences' blocks to the swap space (check `can_swap_out` first)."""
-        for group in self.groups:
-            group.swap_out(requests, self.cpu_block_pool, self.blocks_to_swap_out)
+    def swap_out(self, requests: list[Request]) -> list[BlockPair]:
+        """Move the sequences' blocks to the swap space (check `can_swap_out` first): the
+        (device block, cpu block) pairs to copy."""
+        return [p for group in self.groups for p in group.swap_out(requests, self.cpu_block_pool)]
 
-    def swap_in(self, requests: list[Request]) -> None:
-        """Move swapped sequences back to device blocks (check `num_swap_in_blocks` first). The
-        new blocks are entered in the prefix cache again as the sequences grow."""
-        for group in self.groups:
-            group.swap_in(requests, self.cpu_block_pool, self.blocks_to_swap_in)
-
-    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        out, self.blocks_to_swap_out = self.blocks_to_swap_out, []
-        in_, self.blocks_to_swap_in = self.blocks_to_swap_in, []
-        return out, in_
+    def swap_in(self, requests: list[Request]) -> list[BlockPair]:
+        """Move swapped sequences back to device blocks (check `num_swap_in_blocks` first): the
+        (cpu block, device block) pairs to copy. The new blocks are entered in the prefix cache
+        again as the sequences grow."""
+        return [p for group in self.groups for p in group.swap_in(requests, self.cpu_block_pool)]
 
     @property
     def num_free_cpu_blocks(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.kv_cache_interface import BlockPair
 from pagedllm.request import Request
 
 
@@ -20,11 +21,11 @@ class SchedulerOutput:
     # Requests that left since the previous step, so the runner can drop their state.
     finished_request_ids: set[str] = field(default_factory=set)
     # Copy-on-write (source block id, destination block id) pairs, copied before the forward.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[BlockPair] = field(default_factory=list)
     # Swap (device block, cpu block) pairs out and (cpu block, device block) pairs in; the
     # runner swaps out, then in, then copies, all before the forward.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[BlockPair] = field(default_factory=list)
+    blocks_to_swap_in: list[BlockPair] = field(default_factory=list)
 
     def needs_sample(self, request: Request) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""
