@@ -55,7 +55,7 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler, eos_every: int = 0):
         kv = scheduler.kv_cache_manager
         self.block_size = kv.block_size
-        self.pool = [[None] * kv.block_size for _ in range(kv.block_pool.num_blocks)]
+        self.pool = [[None] * kv.block_size for _ in range(kv.num_blocks)]
         self.eos_every = eos_every  # sample EOS when a hash of the context is divisible by it
 
     def read(self, block_ids, num_tokens):

@@ -32,7 +32,7 @@ import itertools
 
 from pagedllm.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedllm.core.block_pool import KVCacheBlock
-from pagedllm.core.kv_cache_interface import Allocation
+from pagedllm.core.kv_cache_interface import Allocation, BlockPair
 from pagedllm.request import Request
 
 
@@ -130,14 +130,13 @@ class BuddyAllocator:
 
 
 class ContiguousKVCacheManager:
-    """The `KVCacheManager` interface the scheduler uses, over first-fit contiguous regions."""
+    """The KV cache interface (kv_cache_interface.py) over contiguous regions."""
 
     enable_prefix_caching = False
+    num_kv_cache_groups = 1
     prefix_cache_queries = prefix_cache_hits = 0
-    prefix_cache_hit_rate = 0.0
     num_copied_blocks = 0
     num_cpu_blocks = num_free_cpu_blocks = 0
-    cpu_block_pool = None
 
     def __init__(
         self,
@@ -243,7 +242,16 @@ class ContiguousKVCacheManager:
         raise ValueError("contiguous KV reservations cannot share blocks (n=1 only)")
 
     def can_swap_out(self, requests: list[Request]) -> bool:
-        return False
+        return False  # no swap space: preemption never happens anyway
+
+    def num_swap_in_blocks(self, requests: list[Request]) -> int:
+        return 0  # nothing is ever swapped out
+
+    def swap_out(self, requests: list[Request]) -> list[BlockPair]:
+        raise ValueError("contiguous KV reservations have no swap space")
+
+    def swap_in(self, requests: list[Request]) -> list[BlockPair]:
+        raise ValueError("contiguous KV reservations have no swap space")
 
     def reset_prefix_cache(self) -> bool:
         return True

@@ -61,6 +61,14 @@ class KVCacheManager:
         return self.groups[0].swapped_blocks
 
     @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 

@@ -28,15 +28,14 @@ from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.beam_search import BeamSearchState
-from pagedllm.core.kv_cache_interface import BlockPair
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_interface import BlockPair, KVCacheInterface
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheInterface) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[SequenceGroup] = deque()

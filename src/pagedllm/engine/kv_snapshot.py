@@ -99,7 +99,7 @@ def kv_snapshot(engine, check: bool = False) -> dict:
         "model": engine.model_name,
         "config": {
             "block_size": engine.block_size,
-            "num_kv_cache_groups": len(getattr(kv, "groups", [None])),
+            "num_kv_cache_groups": kv.num_kv_cache_groups,
             "kv_allocation": engine.args.kv_allocation,
             "enable_prefix_caching": kv.enable_prefix_caching,
             "preemption_mode": engine.args.preemption_mode,
