@@ -10,7 +10,7 @@ from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_interface import Allocation, KVCacheInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.request import Request
+from pagedllm.request import Request, RequestStatus
 from tests.core.test_preemption import SwapRunner
 from tests.core.test_sharing import MIXED, VOCAB, h, make_request, results
 
@@ -175,3 +175,35 @@ def test_allocate_group_returns_one_allocation_per_entry_in_order():
     contiguous_kv = contiguous()
     (only,) = contiguous_kv.allocate_group([(a, 5, [[]])])
     assert [x.block_id for x in only.new_blocks[0]] == contiguous_kv.get_block_ids(a.seq_id)
+
+
+def test_is_id_in_use_knows_requests_and_their_forks():
+    s = scheduler(KVCacheManager(64, 4))
+    r = make_request(6, n=3)
+    s.add_request(r)
+    rid = r.request_id
+    assert s.is_id_in_use(rid) and not s.is_id_in_use(f"{rid}#1")
+    runner = SwapRunner(s)
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(out))  # the first token forks the group
+    forks = [q.seq_id for q in r.group.seqs if q is not r]
+    assert len(forks) == 2 and all(s.is_id_in_use(f) for f in forks)
+    assert not s.is_id_in_use(f"{rid}#9") and not s.is_id_in_use("another")
+    s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+    assert not any(s.is_id_in_use(x) for x in [rid, *forks])
+
+
+def test_is_id_in_use_knows_the_forks_of_a_preempted_group():
+    """They hold no blocks while waiting to be recomputed, yet they will again."""
+    s = scheduler(KVCacheManager(4, 4), mode="recompute")
+    first, r = make_request(8, max_tokens=8, arrival=0.0), make_request(3, n=3, arrival=1.0)
+    s.add_request(first)
+    s.add_request(r)
+    runner = SwapRunner(s)
+    for _ in range(2):  # r forks, then its copies-on-write do not fit: r is preempted
+        out = s.schedule()
+        s.update_from_output(out, runner.execute(out))
+    assert out.preempted_request_ids == [r.request_id]
+    forks = [q.seq_id for q in r.group.seqs if q is not r]
+    assert len(forks) == 2 and not any(f in s.kv_cache_manager.req_to_blocks for f in forks)
+    assert all(s.is_id_in_use(f) for f in forks)

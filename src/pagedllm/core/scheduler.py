@@ -140,6 +140,14 @@ class Scheduler:
     def running_seqs_by_id(self) -> dict[str, Request]:
         return {seq.seq_id: seq for group in self.running for seq in group.seqs}
 
+    def is_id_in_use(self, request_id: str) -> bool:
+        """Whether a new request may not be named `request_id`: an unfinished request is, or a
+        live sequence (a fork is named "<request id>#<k>", see SequenceGroup.new_seq_id)."""
+        if request_id in self.requests or request_id in self.kv_cache_manager.req_to_blocks:
+            return True
+        group = self.requests.get(request_id.rpartition("#")[0])
+        return group is not None and any(seq.seq_id == request_id for seq in group.seqs)
+
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
