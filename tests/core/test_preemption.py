@@ -52,16 +52,16 @@ class SwapRecorder:
         swap_out, swap_in = kv.swap_out, kv.swap_in
 
         def recorded_swap_out(seqs):
-            self._move("out", seqs, swap_out, kv.req_to_blocks, kv.swapped_blocks,
-                       kv.block_pool, kv.cpu_block_pool, kv.blocks_to_swap_out)  # fmt: skip
+            return self._move("out", seqs, swap_out, kv.req_to_blocks, kv.swapped_blocks,
+                              kv.block_pool, kv.cpu_block_pool)  # fmt: skip
 
         def recorded_swap_in(seqs):
-            self._move("in", seqs, swap_in, kv.swapped_blocks, kv.req_to_blocks,
-                       kv.cpu_block_pool, kv.block_pool, kv.blocks_to_swap_in)  # fmt: skip
+            return self._move("in", seqs, swap_in, kv.swapped_blocks, kv.req_to_blocks,
+                              kv.cpu_block_pool, kv.block_pool)  # fmt: skip
 
         kv.swap_out, kv.swap_in = recorded_swap_out, recorded_swap_in
 
-    def _move(self, kind, seqs, move, src_tables, dst_tables, src_pool, dst_pool, pairs):
+    def _move(self, kind, seqs, move, src_tables, dst_tables, src_pool, dst_pool):
         group = seqs[0].group
         assert seqs == group.seqs, "a group moves as a whole"
         src = [src_tables[q.seq_id] for q in seqs]
@@ -72,17 +72,15 @@ class SwapRecorder:
                 uses[b.block_id] = uses.get(b.block_id, 0) + 1
         src_refs = {b: src_pool.blocks[b].ref_cnt for b in uses}
         num_free_dst = dst_pool.num_free_blocks
-        num_pairs = len(pairs)
-        move(seqs)
+        pairs = move(seqs)
         dst = [dst_tables[q.seq_id] for q in seqs]
         dst_shape, dst_index = shape(dst)
         assert dst_shape == src_shape, f"swap {kind} changed the group's sharing"
         assert not any(q.seq_id in src_tables for q in seqs)
         # Distinct blocks before == destination blocks taken == pairs to copy.
         assert num_free_dst - dst_pool.num_free_blocks == len(uses)
-        new_pairs = pairs[num_pairs:]
         by_canon = {c: b for b, c in dst_index.items()}
-        assert sorted(new_pairs) == sorted((b, by_canon[c]) for b, c in src_index.items())
+        assert sorted(pairs) == sorted((b, by_canon[c]) for b, c in src_index.items())
         for b, c in src_index.items():
             # The destination holds exactly the group's references; the source loses them
             # (a device block also cached for other requests keeps theirs).
@@ -94,6 +92,7 @@ class SwapRecorder:
             assert self.shapes.pop(group.request_id) == src_shape, "changed while swapped out"
         logical = sum(len(t) for t in src)
         self.events.append((kind, group.request_id, len(uses), logical))
+        return pairs
 
 
 class SwapRunner(FakeRunner):
@@ -203,7 +202,6 @@ def assert_all_free(s: Scheduler):
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
     if kv.cpu_block_pool is not None:
         assert all(b.ref_cnt == 0 for b in kv.cpu_block_pool.blocks)
-    assert not kv.blocks_to_swap_out and not kv.blocks_to_swap_in
 
 
 # -- swap space bookkeeping -----------------------------------------------------------------------
@@ -220,17 +218,15 @@ def test_swap_out_and_in_keep_a_forked_groups_sharing():
     for q in seqs:
         q.append_output_token(5)
     # The first writes its first token: it copies the third block, which the others share.
-    assert kv.allocate_slots(parent, 1)
+    assert len(kv.allocate_slots(parent, 1).blocks_to_copy) == 1
     parent.num_computed_tokens += 1
-    kv.take_blocks_to_copy()
     tables = [kv.get_block_ids(q.seq_id) for q in seqs]
     distinct = {b for t in tables for b in t}
     assert len(distinct) == 4 and sum(map(len, tables)) == 9  # 2 shared by 3, 2 third blocks
     assert kv.can_swap_out(seqs)
-    kv.swap_out(seqs)
+    out = kv.swap_out(seqs)
     kv.check_integrity()
     assert kv.num_free_blocks == 12 and kv.num_free_cpu_blocks == 4
-    out, _ = kv.take_swaps()
     assert sorted(dev for dev, _ in out) == sorted(distinct)
     cpu_refs = sorted(kv.cpu_block_pool.blocks[cpu].ref_cnt for _, cpu in out)
     dev_refs = sorted(tables_refs := [sum(t.count(b) for t in tables) for b in distinct])
@@ -241,9 +237,8 @@ def test_swap_out_and_in_keep_a_forked_groups_sharing():
     assert [n for _, n in plan] == [0, 1, 1]
     assert kv.num_swap_in_blocks(seqs) == 4
     assert kv.num_blocks_needed(plan, swapped=True) == 1
-    kv.swap_in(seqs)
+    in_ = kv.swap_in(seqs)
     kv.check_integrity()
-    _, in_ = kv.take_swaps()
     assert len(in_) == 4 and kv.num_free_blocks == 8 and kv.num_free_cpu_blocks == 8
     assert shape([kv.req_to_blocks[q.seq_id] for q in seqs])[0] == ((0, 1, 2),) + ((0, 1, 3),) * 2
     assert kv.num_blocks_needed(plan) == 1

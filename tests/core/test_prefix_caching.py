@@ -2,8 +2,9 @@
 
 import itertools
 
+from pagedllm.core.block_hash import hash_block_tokens, update_block_hashes
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.core.kv_cache_manager import KVCacheManager, hash_block_tokens, update_block_hashes
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus

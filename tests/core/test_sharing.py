@@ -55,7 +55,7 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler, eos_every: int = 0):
         kv = scheduler.kv_cache_manager
         self.block_size = kv.block_size
-        self.pool = [[None] * kv.block_size for _ in range(kv.block_pool.num_blocks)]
+        self.pool = [[None] * kv.block_size for _ in range(kv.num_blocks)]
         self.eos_every = eos_every  # sample EOS when a hash of the context is divisible by it
 
     def read(self, block_ids, num_tokens):
@@ -219,7 +219,7 @@ def test_fork_shares_every_block_and_copies_nothing():
         assert child.group is parent.group and child.sample_index in (1, 2)
     assert [kv.block_pool.blocks[b].ref_cnt for b in table] == [3, 3, 3]
     assert kv.num_free_blocks == free
-    assert kv.take_blocks_to_copy() == [] and kv.num_copied_blocks == 0
+    assert kv.num_copied_blocks == 0
     assert kv.num_logical_blocks == 9
     kv.check_integrity()
     for r in (children[0], parent, children[1]):
@@ -248,17 +248,18 @@ def test_num_blocks_needed_counts_one_copy_per_writer_but_the_last():
     # Tokens past the block boundary add new blocks on top of the copy.
     assert kv.num_blocks_needed([(a, 3)]) == 2
     free = kv.num_free_blocks
-    assert kv.allocate_slots(a, 1) and kv.allocate_slots(b, 1)
+    a_new, b_new = kv.allocate_slots(a, 1), kv.allocate_slots(b, 1)
+    assert a_new.new_blocks == b_new.new_blocks == ([],)  # each copies, neither grows
     assert kv.num_free_blocks == free - 2
-    pairs = kv.take_blocks_to_copy()
+    pairs = a_new.blocks_to_copy + b_new.blocks_to_copy
     assert [src for src, _ in pairs] == [shared, shared]
     assert {dst for _, dst in pairs} == {kv.get_block_ids(a.seq_id)[1], kv.get_block_ids("b")[1]}
     assert kv.get_block_ids("c")[1] == shared  # the last holder writes in place
     assert kv.block_pool.blocks[shared].ref_cnt == 1
     # Full block 0 stays shared by all three.
     assert kv.block_pool.blocks[kv.get_block_ids(a.seq_id)[0]].ref_cnt == 3
-    assert kv.num_blocks_needed([(c, 1)]) == 0 and kv.allocate_slots(c, 1)
-    assert kv.take_blocks_to_copy() == []
+    assert kv.num_blocks_needed([(c, 1)]) == 0
+    assert kv.allocate_slots(c, 1).blocks_to_copy == [] and kv.num_copied_blocks == 2
     kv.check_integrity()
     # One holder gone: the other two share the block, and one copy does.
     for seq in (a, b, c):

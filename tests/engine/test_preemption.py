@@ -12,7 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.selector import copy_blocks_torch
-from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 from tests.conftest import runner_of, save_tiny_llama
 
@@ -163,7 +163,7 @@ def test_groups_are_swapped_whole_and_give_the_same_outputs(tiny):
     def record(seqs):
         swapped_sizes.append(len(seqs))
         assert len({q.status for q in seqs}) == 1
-        swap_out(seqs)
+        return swap_out(seqs)
 
     scheduler.kv_cache_manager.swap_out = record
     assert run_engine(llm, prompts, params) == expected

@@ -313,7 +313,7 @@ def test_small_pool_preempts_groups_and_gives_the_same_outputs(
 
     def record(group):
         preempted.append(len(group.seqs))
-        preempt(group)
+        return preempt(group)
 
     scheduler._preempt = record
     got = results(generate(small, MIXED_PROMPTS, MIXED_PARAMS))

@@ -281,7 +281,7 @@ def measure_recovery(
         t0 = time.perf_counter()
         kv.free(seq)
         seq.num_computed_tokens = 0
-        if not kv.allocate_slots(seq, context_len, []):
+        if kv.allocate_slots(seq, context_len, []) is None:
             raise RuntimeError("the recovery pool is too small for the sequence")
         so = SchedulerOutput(
             scheduled_requests=[seq],
@@ -308,8 +308,7 @@ def measure_recovery(
     num_pairs = None
     for rep in range(swap_repeats + 1):
         t0 = time.perf_counter()
-        kv.swap_out([seq])
-        swap_out, _ = kv.take_swaps()
+        swap_out = kv.swap_out([seq])
         so_out = SchedulerOutput([], {}, {}, 0, blocks_to_swap_out=swap_out)
         t1 = time.perf_counter()
         _sync(device)
@@ -317,8 +316,7 @@ def measure_recovery(
         runner.execute_model(so_out)
         _sync(device)
         t3 = time.perf_counter()
-        kv.swap_in([seq])
-        _, swap_in = kv.take_swaps()
+        swap_in = kv.swap_in([seq])
         so_in = SchedulerOutput([], {}, {}, 0, blocks_to_swap_in=swap_in)
         t4 = time.perf_counter()
         _sync(device)

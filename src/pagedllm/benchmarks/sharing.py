@@ -147,8 +147,8 @@ class SharingTracker:
             self.peak_physical, self.logical_at_peak = physical, logical
 
     def observe_kv(self, kv_cache_manager) -> None:
-        pool = kv_cache_manager.block_pool
-        self.observe(pool.num_blocks - pool.num_free_blocks, kv_cache_manager.num_logical_blocks)
+        kv = kv_cache_manager
+        self.observe(kv.num_blocks - kv.num_free_blocks, kv.num_logical_blocks)
 
     @property
     def saving(self) -> float:

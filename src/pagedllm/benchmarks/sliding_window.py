@@ -47,14 +47,14 @@ def _run(engine, prompt: list[int], output_len: int) -> dict[str, Any]:
     peak = last = 0
     tokens, start = None, time.perf_counter()
     while engine.has_unfinished_requests():
-        used = kv.block_pool.num_blocks - kv.num_free_blocks
+        used = kv.num_blocks - kv.num_free_blocks
         for out in engine.step():
             tokens = out.outputs[0].token_ids
         if engine.has_unfinished_requests():
-            last = used = kv.block_pool.num_blocks - kv.num_free_blocks
+            last = used = kv.num_blocks - kv.num_free_blocks
         peak = max(peak, used)
     seconds = time.perf_counter() - start
-    assert kv.num_free_blocks == kv.block_pool.num_blocks, "blocks leaked"
+    assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
     return {"peak_blocks": peak, "last_blocks": last, "tokens": tokens, "seconds": seconds}
 
 

@@ -2,7 +2,7 @@
 
 Torch-free. A block is *in use* while its `ref_cnt > 0` and *free* otherwise; a free block sits in
 the free queue, least recently freed at the head. A full block whose tokens are all computed can be
-given a `block_hash` (see `kv_cache_manager.hash_block_tokens`) and entered in the hash → block map.
+given a `block_hash` (see `block_hash.hash_block_tokens`) and entered in the hash → block map.
 Freeing it does not forget the hash (lazy eviction): a later request with the same prefix can
 "touch" it back into use straight out of the middle of the free queue, and the hash only goes when
 `allocate` hands the block out for new contents.

@@ -32,6 +32,7 @@ import itertools
 
 from pagedllm.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedllm.core.block_pool import KVCacheBlock
+from pagedllm.core.kv_cache_interface import Allocation, BlockPair
 from pagedllm.request import Request
 
 
@@ -129,14 +130,13 @@ class BuddyAllocator:
 
 
 class ContiguousKVCacheManager:
-    """The `KVCacheManager` interface the scheduler uses, over first-fit contiguous regions."""
+    """The KV cache interface (kv_cache_interface.py) over contiguous regions."""
 
     enable_prefix_caching = False
+    num_kv_cache_groups = 1
     prefix_cache_queries = prefix_cache_hits = 0
-    prefix_cache_hit_rate = 0.0
     num_copied_blocks = 0
     num_cpu_blocks = num_free_cpu_blocks = 0
-    cpu_block_pool = None
 
     def __init__(
         self,
@@ -198,31 +198,38 @@ class ContiguousKVCacheManager:
     def num_blocks_needed(self, requests: list[tuple[Request, int]], swapped: bool = False) -> int:
         return 0  # a running request's region already holds every token it will have
 
-    def allocate_group(self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]) -> bool:
-        """Admit a request: place its region (first fit) and its first tokens; False if no free
-        extent is long enough."""
+    def allocate_group(
+        self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]
+    ) -> list[Allocation] | None:
+        """Admit a request: place its region and its first tokens; None if no free extent is
+        long enough."""
         if len(entries) != 1:
             raise ValueError("contiguous KV reservations serve one sequence per request (n=1)")
         seq, num_new_tokens, _ = entries[0]
         region = self.allocator.allocate(self._region_blocks(seq))
         if region is None:
-            return False
+            return None
         self.regions[seq.seq_id] = region
         self.reserved_tokens[seq.seq_id] = self.reservation(seq)
         self.req_to_blocks[seq.seq_id] = []
-        allocated = self.allocate_slots(seq, num_new_tokens)
-        assert allocated, "the region holds the whole request"
-        return True
+        return [self.allocate_slots(seq, num_new_tokens)]
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=None):
-        """Place `num_new_tokens` more tokens: the next blocks of the region, never new memory."""
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[KVCacheBlock]] | None = None,
+    ) -> Allocation | None:
+        """Place `num_new_tokens` more tokens: the next blocks of the region, never new memory
+        (so never None)."""
         start, num_blocks = self.regions[request.seq_id]
         num_tokens = request.num_computed_tokens + num_new_tokens
         needed = -(-num_tokens // self.block_size)
         assert needed <= num_blocks, "a request outgrew its reservation"
         table = self.req_to_blocks[request.seq_id]
-        table.extend(self.blocks[start + len(table) : start + needed])
-        return True
+        new_blocks = self.blocks[start + len(table) : start + needed]
+        table.extend(new_blocks)
+        return Allocation((new_blocks,))
 
     def free(self, request: Request) -> None:
         region = self.regions.pop(request.seq_id, None)
@@ -235,13 +242,16 @@ class ContiguousKVCacheManager:
         raise ValueError("contiguous KV reservations cannot share blocks (n=1 only)")
 
     def can_swap_out(self, requests: list[Request]) -> bool:
-        return False
+        return False  # no swap space: preemption never happens anyway
 
-    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
-        return []
+    def num_swap_in_blocks(self, requests: list[Request]) -> int:
+        return 0  # nothing is ever swapped out
 
-    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        return [], []
+    def swap_out(self, requests: list[Request]) -> list[BlockPair]:
+        raise ValueError("contiguous KV reservations have no swap space")
+
+    def swap_in(self, requests: list[Request]) -> list[BlockPair]:
+        raise ValueError("contiguous KV reservations have no swap space")
 
     def reset_prefix_cache(self) -> bool:
         return True

@@ -25,47 +25,17 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.beam_search import BeamSearchState
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_interface import BlockPair, KVCacheInterface
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 
 
-@dataclass
-class SchedulerOutput:
-    """What the model runner needs for one step; the scheduler never touches tensors."""
-
-    scheduled_requests: list[Request]  # sequences; dicts below are keyed by their seq_id
-    num_scheduled_tokens: dict[str, int]
-    # Per sequence, one block table per KV cache group.
-    block_ids: dict[str, list[list[int]]]
-    total_num_scheduled_tokens: int
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests that left since the previous step, so the runner can drop their state.
-    finished_request_ids: set[str] = field(default_factory=set)
-    # Copy-on-write (source block id, destination block id) pairs, copied before the forward.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Swap (device block, cpu block) pairs out and (cpu block, device block) pairs in; the
-    # runner swaps out, then in, then copies, all before the forward.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    def needs_sample(self, request: Request) -> bool:
-        """True when this step reaches the end of the sequence's known tokens."""
-        n = self.num_scheduled_tokens[request.seq_id]
-        return request.num_computed_tokens + n == request.num_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and no block to move."""
-        return not (self.scheduled_requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheInterface) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[SequenceGroup] = deque()
@@ -146,11 +116,6 @@ class Scheduler:
         del self.requests[group.request_id]
         self._finished_since_last_step.add(group.request_id)
 
-    def is_id_in_use(self, request_id: str) -> bool:
-        """Whether `request_id` names an unfinished request or a live sequence (a fork's id,
-        such as "r#1", must not become another request's)."""
-        return request_id in self.requests or request_id in self.kv_cache_manager.req_to_blocks
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -175,12 +140,19 @@ class Scheduler:
     def running_seqs_by_id(self) -> dict[str, Request]:
         return {seq.seq_id: seq for group in self.running for seq in group.seqs}
 
+    def is_id_in_use(self, request_id: str) -> bool:
+        """Whether a new request may not be named `request_id`: an unfinished request is, or a
+        live sequence (a fork is named "<request id>#<k>", see SequenceGroup.new_seq_id)."""
+        if request_id in self.requests or request_id in self.kv_cache_manager.req_to_blocks:
+            return True
+        group = self.requests.get(request_id.rpartition("#")[0])
+        return group is not None and any(seq.seq_id == request_id for seq in group.seqs)
+
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_scheduled: dict[str, int] = {}
+        # Filled in as the step is planned, the block moves as the KV cache calls return them.
+        out = SchedulerOutput([], {}, {}, 0)
         preempted: list[SequenceGroup] = []
 
         # Running groups first, in arrival order; preempt from the back when blocks run out.
@@ -191,12 +163,9 @@ class Scheduler:
             if not plan:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(group, plan, preempted):
+            if not self._allocate_or_preempt(group, plan, preempted, out):
                 break  # the group itself was preempted: nothing later can fit either
-            for seq, num_new in plan:
-                scheduled.append(seq)
-                num_scheduled[seq.seq_id] = num_new
-                budget -= num_new
+            budget -= self._add_to_step(out, plan)
             i += 1
 
         # max_num_seqs counts sequences, including those a group will fork into.
@@ -210,28 +179,35 @@ class Scheduler:
             group, swapped = self._next_to_resume()
             if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
                 break
-            plan = self._swap_in(group, budget) if swapped else self._admit(group, budget)
+            plan = self._swap_in(group, budget, out) if swapped else self._admit(group, budget, out)
             if plan is None:
                 break
             num_seqs += group.max_num_running_seqs
-            for seq, num_new in plan:
-                scheduled.append(seq)
-                num_scheduled[seq.seq_id] = num_new
-                budget -= num_new
+            budget -= self._add_to_step(out, plan)
 
+        out.block_ids = {
+            r.seq_id: self.kv_cache_manager.get_group_block_ids(r.seq_id)
+            for r in out.scheduled_requests
+        }
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.preempted_request_ids = [g.request_id for g in preempted]
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        swap_out, swap_in = kv.take_swaps()
-        return SchedulerOutput(
-            scheduled_requests=scheduled,
-            num_scheduled_tokens=num_scheduled,
-            block_ids={r.seq_id: kv.get_group_block_ids(r.seq_id) for r in scheduled},
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_request_ids=[g.request_id for g in preempted],
-            finished_request_ids=finished,
-            blocks_to_copy=kv.take_blocks_to_copy(),
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
-        )
+        out.finished_request_ids = finished
+        return out
+
+    @staticmethod
+    def _add_to_step(out: SchedulerOutput, plan: list[tuple[Request, int]]) -> int:
+        """Schedule the planned tokens; returns how many."""
+        for seq, num_new in plan:
+            out.scheduled_requests.append(seq)
+            out.num_scheduled_tokens[seq.seq_id] = num_new
+        return sum(num_new for _, num_new in plan)
+
+    def _allocate(self, seq: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Allocate for a sequence whose room the caller counted; its copies join the step."""
+        allocation = self.kv_cache_manager.allocate_slots(seq, num_new)
+        assert allocation is not None, "the room was counted"
+        out.blocks_to_copy += allocation.blocks_to_copy
 
     def _plan_tokens(
         self, seqs: list[Request], budget: int, num_computed: list[int] | None = None
@@ -282,7 +258,9 @@ class Scheduler:
                 return head, False
         return self.swapped[0], True
 
-    def _swap_in(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
+    def _swap_in(
+        self, group: SequenceGroup, budget: int, out: SchedulerOutput
+    ) -> list[tuple[Request, int]] | None:
         """Bring a swapped group back and allocate its next tokens, or None if it does not fit.
         Counted exactly (the blocks it held, then its new blocks and copies), so that a group
         holding most of the pool can still come back once the pool is free."""
@@ -294,14 +272,15 @@ class Scheduler:
         if need > kv.num_free_blocks:
             return None
         self.swapped.pop(0)
-        kv.swap_in(group.seqs)
+        out.blocks_to_swap_in += kv.swap_in(group.seqs)
         self._start_running(group)
         for seq, num_new in plan:
-            allocated = kv.allocate_slots(seq, num_new)
-            assert allocated, "counted above"
+            self._allocate(seq, num_new, out)
         return plan
 
-    def _admit(self, group: SequenceGroup, budget: int) -> list[tuple[Request, int]] | None:
+    def _admit(
+        self, group: SequenceGroup, budget: int, out: SchedulerOutput
+    ) -> list[tuple[Request, int]] | None:
         """Allocate the first waiting group's sequences (a new request, or a preempted group to
         recompute), all or none, and start it running; returns the tokens to schedule, or None
         if it does not fit.
@@ -319,8 +298,11 @@ class Scheduler:
             (seq, plan.get(seq.seq_id, 0), blocks)
             for seq, (blocks, _) in zip(group.seqs, hits, strict=True)
         ]
-        if not kv.allocate_group(entries):
+        allocations = kv.allocate_group(entries)
+        if allocations is None:
             return None
+        for allocation in allocations:
+            out.blocks_to_copy += allocation.blocks_to_copy
         for seq, (_, num_hit) in zip(group.seqs, hits, strict=True):
             seq.num_computed_tokens = num_hit
         self.waiting.remove(group)
@@ -328,26 +310,29 @@ class Scheduler:
         return [(seq, plan[seq.seq_id]) for seq in group.seqs if seq.seq_id in plan]
 
     def _allocate_or_preempt(
-        self, group: SequenceGroup, plan: list[tuple[Request, int]], preempted: list
+        self,
+        group: SequenceGroup,
+        plan: list[tuple[Request, int]],
+        preempted: list[SequenceGroup],
+        out: SchedulerOutput,
     ) -> bool:
         """Allocate for every planned sequence of a running group, preempting the latest-arrived
         running groups until it fits; False if the group itself had to go."""
         kv = self.kv_cache_manager
         while kv.num_blocks_needed(plan) > kv.num_free_blocks:
             victim = self.running.pop()
-            self._preempt(victim)
+            out.blocks_to_swap_out += self._preempt(victim)
             preempted.append(victim)
             if victim is group:
                 return False
         for seq, num_new in plan:
-            allocated = kv.allocate_slots(seq, num_new)
-            assert allocated, "num_blocks_needed promised room"
+            self._allocate(seq, num_new, out)
         return True
 
-    def _preempt(self, group: SequenceGroup) -> None:
+    def _preempt(self, group: SequenceGroup) -> list[BlockPair]:
         """Swap the group's blocks out (mode "swap", if the swap space has room), or drop them
         to recompute prompt + output later (mode "recompute", and the fallback); either way the
-        whole group goes."""
+        whole group goes. Returns the (device, cpu) pairs to copy, if swapped."""
         kv = self.kv_cache_manager
         self._num_running_seqs -= len(group.seqs)
         group.num_preemptions += 1
@@ -355,17 +340,18 @@ class Scheduler:
         for seq in group.seqs:
             seq.num_preemptions += 1
         if self.config.preemption_mode == "swap" and kv.can_swap_out(group.seqs):
-            kv.swap_out(group.seqs)
+            pairs = kv.swap_out(group.seqs)
             for seq in group.seqs:
                 seq.status = RequestStatus.SWAPPED
             self.num_swap_preemptions_total += 1
             bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
-            return
+            return pairs
         for seq in group.seqs:
             kv.free(seq)
             seq.status = RequestStatus.PREEMPTED
             seq.num_computed_tokens = 0
         self.waiting.appendleft(group)
+        return []
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(

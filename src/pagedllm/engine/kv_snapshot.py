@@ -99,7 +99,7 @@ def kv_snapshot(engine, check: bool = False) -> dict:
         "model": engine.model_name,
         "config": {
             "block_size": config.cache.block_size,
-            "num_kv_cache_groups": len(engine.kv_cache_spec.groups),
+            "num_kv_cache_groups": kv.num_kv_cache_groups,
             "kv_allocation": config.cache.kv_allocation,
             "enable_prefix_caching": kv.enable_prefix_caching,
             "preemption_mode": config.scheduler.preemption_mode,

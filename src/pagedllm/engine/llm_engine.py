@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
+from pagedllm.core.kv_cache_interface import KVCacheInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
@@ -28,12 +29,14 @@ logger = logging.getLogger("pagedllm")
 
 # (config, num_blocks, num_cpu_blocks, sliding window of each KV cache group) -> a KV cache
 # manager: the engine's own choice by --kv-allocation, or one a benchmark passes in.
-KVCacheManagerFactory = Callable[[EngineConfig, int, int, list], object]
+KVCacheManagerFactory = Callable[[EngineConfig, int, int, list], KVCacheInterface]
 
 __all__ = ["LLMEngine", "PromptType"]
 
 
-def make_kv_cache_manager(config: EngineConfig, num_blocks: int, num_cpu_blocks: int, windows):
+def make_kv_cache_manager(
+    config: EngineConfig, num_blocks: int, num_cpu_blocks: int, windows: list
+) -> KVCacheInterface:
     cache = config.cache
     if cache.kv_allocation == "paged":
         return KVCacheManager(

@@ -1,0 +1,47 @@
+"""The names of full blocks for prefix caching, as vLLM V1 does it. Torch-free.
+
+A FULL block is named by a hash chained over its parent block's hash and its token ids (the first
+block also mixes in the request's `cache_salt`), so equal hashes mean equal prefixes and
+therefore equal K/V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from pagedllm.core.block_pool import BlockHash
+from pagedllm.request import Request
+
+_NONE_HASH = b"\x00" * 32
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: str | None = None
+) -> BlockHash:
+    """SHA-256 over (parent hash, token ids as int64, extra key).
+
+    SHA-256 rather than the builtin `hash()`: it is 256 bits, so a collision (two different
+    prefixes sharing blocks, i.e. silently wrong output) is out of reach even for a prompt crafted
+    to poison another user's cache, and it is the same in every process (the builtin `hash` of a
+    str salt is randomised per process). It costs about a microsecond per block, once per block.
+    """
+    h = hashlib.sha256(parent_hash or _NONE_HASH)
+    h.update(array("q", token_ids).tobytes())
+    if extra is not None:
+        h.update(b"\x01salt")
+        h.update(extra.encode())
+    return h.digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend `request.block_hashes` to cover every full block of its tokens (incrementally)."""
+    hashes = request.block_hashes
+    tokens = request.all_token_ids
+    for i in range(len(hashes), len(tokens) // block_size):
+        parent = hashes[i - 1] if i else None
+        extra = request.cache_salt if i == 0 else None
+        hashes.append(
+            hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        )
+    return hashes

@@ -1,0 +1,38 @@
+"""What the scheduler hands the model runner for one step. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.kv_cache_interface import BlockPair
+from pagedllm.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner needs for one step; the scheduler never touches tensors."""
+
+    scheduled_requests: list[Request]  # sequences; dicts below are keyed by their seq_id
+    num_scheduled_tokens: dict[str, int]
+    # Per sequence, one block table per KV cache group.
+    block_ids: dict[str, list[list[int]]]
+    total_num_scheduled_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that left since the previous step, so the runner can drop their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    # Copy-on-write (source block id, destination block id) pairs, copied before the forward.
+    blocks_to_copy: list[BlockPair] = field(default_factory=list)
+    # Swap (device block, cpu block) pairs out and (cpu block, device block) pairs in; the
+    # runner swaps out, then in, then copies, all before the forward.
+    blocks_to_swap_out: list[BlockPair] = field(default_factory=list)
+    blocks_to_swap_in: list[BlockPair] = field(default_factory=list)
+
+    def needs_sample(self, request: Request) -> bool:
+        """True when this step reaches the end of the sequence's known tokens."""
+        n = self.num_scheduled_tokens[request.seq_id]
+        return request.num_computed_tokens + n == request.num_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and no block to move."""
+        return not (self.scheduled_requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
