@@ -149,14 +149,14 @@ def test_recovery_point_on_a_tiny_model(engine):
 
 
 def test_recovery_round_trip_check_catches_a_lost_swap_in(engine, monkeypatch):
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.kv_cache import KVCache
 
-    real = ModelRunner.swap_blocks
+    real = KVCache.swap
 
     def drop_swap_in(self, swap_out, swap_in):
         real(self, swap_out, [])
 
-    monkeypatch.setattr(ModelRunner, "swap_blocks", drop_swap_in)
+    monkeypatch.setattr(KVCache, "swap", drop_swap_in)
     assert not _measure(engine, 4)["swap_round_trip_exact"]
 
 
