@@ -165,19 +165,13 @@ def _chat_template_arg(value: str | None) -> str | None:
     return value
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
-    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.openai.api_server import run_server
+def server_config_from(ns: argparse.Namespace):
+    """`serve`'s own flags as a ServerConfig, checked before the model loads."""
+    from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
 
-    if ns.model_tag is not None:
-        ns.model = ns.model_tag
     chat_template = _chat_template_arg(ns.chat_template)
-    from pagedllm.entrypoints.openai.serving import ServerLimits
-
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or json)")
-
     limits = ServerLimits(
         max_request_body_bytes=ns.max_request_body_bytes or None,
         max_n=ns.max_n,
@@ -185,25 +179,35 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         max_stop=ns.max_stop,
         max_prompts=ns.max_prompts,
     )
-    engine = LLMEngine(engine_args_from(ns))
-    name = ns.served_model_name or ns.model or engine.model_name
-    run_server(
-        AsyncLLMEngine(engine, start_thread=False),  # run_server runs the loop on this thread
-        name,
+    return ServerConfig(
+        served_model_name=ns.served_model_name or ns.model,  # None: the engine's model name
         host=ns.host,
         port=ns.port,
         api_key=ns.api_key,
+        metrics_need_api_key=not ns.disable_metrics_auth,
         chat_template=chat_template,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
         max_waiting_requests=ns.max_waiting_requests or None,
-        grace=ns.graceful_shutdown_timeout,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         limits=limits,
-        metrics_need_api_key=not ns.disable_metrics_auth,
         log_requests=ns.enable_log_requests,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         enable_dashboard=ns.enable_dashboard,
     )
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    config = server_config_from(ns)
+    engine = LLMEngine(engine_args_from(ns))
+    # run_server runs the engine loop on this thread
+    run_server(AsyncLLMEngine(engine, start_thread=False), config)
     return 0
 
 

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -14,8 +13,9 @@ from starlette.responses import StreamingResponse
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
+from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
@@ -33,31 +33,6 @@ _STRUCTURED_FIELDS = {
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
 }  # fmt: skip
 MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
-
-
-@dataclass
-class ServerLimits:
-    """What one request may ask for (each a `serve` flag): beyond it, a 400 (413 for the body)."""
-
-    max_request_body_bytes: int | None = 8 << 20
-    max_n: int = 16  # n, best_of or the beam width: sequences one request runs
-    max_logprobs: int = 20  # logprobs / top_logprobs, and the prompt's with echo
-    max_stop: int = 64  # stop strings, and stop token ids, each
-    max_prompts: int = 128  # prompts in one completions request
-
-    def __post_init__(self) -> None:
-        body = self.max_request_body_bytes
-        if body is not None and body < 1:
-            raise ValueError(f"--max-request-body-bytes must be >= 1, got {body}")
-        for name, low in (("max_n", 1), ("max_stop", 0), ("max_prompts", 1)):
-            if getattr(self, name) < low:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be >= {low}, got {getattr(self, name)}")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit), "
-                f"got {self.max_logprobs}"
-            )
 
 
 class OpenAIError(Exception):
@@ -82,22 +57,16 @@ class OpenAIServing:
     def __init__(
         self,
         async_engine: AsyncLLMEngine,
-        served_model_name: str,
-        chat_template: str | None,
+        config: ServerConfig,
         metrics: RequestMetrics | None = None,
-        max_waiting_requests: int | None = None,
-        limits: ServerLimits | None = None,
-        log_requests: bool = False,
     ) -> None:
         self.async_engine = async_engine
-        self.limits = limits or ServerLimits()
-        self.log_requests = log_requests
-        self.metrics = metrics
-        self.max_waiting_requests = max_waiting_requests
         self.engine = async_engine.engine
+        self.config = config  # its served_model_name filled in (build_app)
+        self.metrics = metrics
         self.tokenizer = self.engine.tokenizer
-        self.served_model_name = served_model_name
-        self.chat_template = chat_template
+        self.served_model_name = config.served_model_name
+        self.limits = config.limits
         self.max_model_len = self.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
@@ -112,7 +81,7 @@ class OpenAIServing:
 
     def check_queue(self, num_new: int) -> None:
         """503 (retry later) when the engine's waiting queue is full."""
-        limit = self.max_waiting_requests
+        limit = self.config.max_waiting_requests
         if limit is None:
             return
         waiting = self.engine.get_stats()["num_waiting"]
@@ -172,7 +141,7 @@ class OpenAIServing:
 
     def log_request(self, request_id: str, prompts: list[dict], params: SamplingParams) -> None:
         """Prompts go to the log only with --enable-log-requests; ids and sizes always may."""
-        if self.log_requests:
+        if self.config.log_requests:
             for i, prompt in enumerate(prompts):
                 logger.info(
                     "request %s-%d: prompt %r, prompt_token_ids %s, params %s",

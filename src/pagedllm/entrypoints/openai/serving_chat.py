@@ -79,21 +79,10 @@ def _message_dict(message) -> dict:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(
-        self,
-        *args,
-        enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.tool_call_parser = tool_call_parser
-
     def render(self, messages, add_generation_prompt: bool, tools: ToolPlan | None = None) -> dict:
         """Chat messages (and the tools they may call) through the template ->
         {"prompt", "prompt_token_ids"}."""
-        template = self.chat_template or (self.tokenizer and self.tokenizer.chat_template)
+        template = self.config.chat_template or (self.tokenizer and self.tokenizer.chat_template)
         if self.tokenizer is None or template is None:
             raise OpenAIError("this model has no chat template: use /v1/completions")
         messages = [_message_dict(m) for m in messages]
@@ -158,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:
             raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
-        plan = plan_tools(body, self.enable_auto_tool_choice, self.tool_call_parser)
+        plan = plan_tools(body, self.config.enable_auto_tool_choice, self.config.tool_call_parser)
         self._constrain_tool_calls(plan, params)
         prompt = self.render(body.messages, body.add_generation_prompt, plan)
         self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
