@@ -1,18 +1,22 @@
-"""What completions and chat share: errors, prompt checks, merged streams, disconnects."""
+"""What completions and chat share: one request's skeleton (`OpenAIServing.create`, with hooks
+for what differs), errors, prompt checks, merged streams, disconnects."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
+from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -54,6 +58,11 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 class OpenAIServing:
+    """An endpoint's requests: `create` runs the steps both endpoints share, the hooks below it
+    (a subclass's) do what differs."""
+
+    id_prefix = ""  # of the request ids: cmpl-..., chatcmpl-...
+
     def __init__(
         self,
         async_engine: AsyncLLMEngine,
@@ -69,6 +78,68 @@ class OpenAIServing:
         self.limits = config.limits
         self.max_model_len = self.engine.max_model_len
 
+    async def create(self, body, raw: Request):
+        """Checks (model, health, sampling parameters, limits, prompts and their lengths), the
+        engine's generators, then the stream or, once every output is final, the response."""
+        self.check_model(body.model)
+        self.check_health()
+        params = self.sampling_params(body)
+        self.check_limits(params)
+        if body.stream and params.num_sequences > params.n and not params.use_beam_search:
+            raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
+        prompts, plan = self.build_prompts(body, params)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
+        request_id = random_id(self.id_prefix)
+        self.log_request(request_id, prompts, params)
+        gens = self.generators(prompts, params, request_id, delta=body.stream)
+        if body.stream:
+            # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
+            stream = await unless_disconnected(raw, self.first_and_rest(gens))
+            if stream is None:
+                return JSONResponse({}, status_code=499)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self.stream_chunks(body, request_id, prompts, plan, stream, include_usage)
+            return DisconnectAwareStream(events(chunks, request_id), media_type="text/event-stream")
+        try:
+            finals = await unless_disconnected(raw, self.final_outputs(gens))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:  # the client left; nobody reads this
+            return JSONResponse({}, status_code=499)
+        try:
+            return self.response(body, request_id, prompts, plan, finals)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
+
+    # -- the hooks ------------------------------------------------------------------------------
+    def sampling_params(self, body) -> SamplingParams:
+        """The request's SamplingParams, with the endpoint's own checks (make_params)."""
+        raise NotImplementedError
+
+    def build_prompts(self, body, params: SamplingParams) -> tuple[list[dict], Any]:
+        """The engine prompts ({"prompt", "prompt_token_ids"}), and what the formatting hooks
+        need besides the body (chat: its tool plan; None for completions)."""
+        raise NotImplementedError
+
+    def response(self, body, request_id: str, prompts: list[dict], plan, finals: list):
+        """The whole answer, from each prompt's final RequestOutput."""
+        raise NotImplementedError
+
+    def stream_chunks(
+        self,
+        body,
+        request_id: str,
+        prompts: list[dict],
+        plan,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """The stream's chunks as JSON text (events() frames them), from the merged outputs
+        tagged with their prompt's index."""
+        raise NotImplementedError
+
+    # -- the steps ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
@@ -299,6 +370,18 @@ class DisconnectAwareStream(StreamingResponse):
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+async def events(chunks: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
+    """A stream's JSON chunks as server-sent events, then [DONE]; a failure after the status
+    was sent ends it with an in-band error event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
+            yield sse(stream_error(e, request_id))
+    yield sse("[DONE]")
 
 
 def request_failed(request_id: str, e: BaseException) -> OpenAIError:
