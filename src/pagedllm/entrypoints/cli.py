@@ -35,6 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs fields in `ns`: the engine group's flags, and serve's --disable-log-stats."""
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
 
 
