@@ -38,13 +38,14 @@ def test_cli_defaults_and_flags():
             _parse(bad)
 
 
-def test_engine_flags_argv_rebuilds_the_serve_flags():
-    assert peers.engine_flags_argv(EngineArgs()) == []
+def test_to_cli_args_rebuilds_the_serve_flags():
+    """What run_pagedllm hands `pagedllm serve`: the flags away from the defaults."""
+    assert EngineArgs().to_cli_args() == []
     args = EngineArgs(model="m.gguf", dtype="bfloat16", quantization="int8",
                       enable_prefix_caching=False, max_num_seqs=8)  # fmt: skip
-    argv = peers.engine_flags_argv(args)
+    argv = args.to_cli_args()
     assert argv == ["--model", "m.gguf", "--dtype", "bfloat16", "--max-num-seqs", "8",
-                    "--quantization", "int8", "--no-enable-prefix-caching"]  # fmt: skip
+                    "--no-enable-prefix-caching", "--quantization", "int8"]  # fmt: skip
     from pagedllm.entrypoints.cli import build_parser, engine_args_from
 
     ns = build_parser().parse_args(["serve", *argv])

@@ -84,3 +84,35 @@ def test_constraint_flags_become_structured_outputs(tmp_path):
     assert constraint("--grammar", f"@{grammar}").grammar == 'start: "yes" | "no"'
     with pytest.raises(SystemExit):  # one constraint at most (argparse: exit status 2)
         constraint("--regex", "a", "--grammar", "start: a")
+
+
+def test_every_engine_flag_round_trips():
+    """The engine group (built from EngineArgs' field metadata) reads back what to_cli_args
+    writes, for every field with a flag, in each kind of command."""
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+    args = EngineArgs(
+        model="m.gguf", tokenizer="tok", dtype="float16", device="cuda", seed=3,
+        max_model_len=512, block_size=8, kv_cache_memory="1GiB", gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=64, max_num_seqs=4, max_num_batched_tokens=1024,
+        enable_chunked_prefill=False, enable_prefix_caching=False, preemption_mode="swap",
+        swap_space=1.5, attention_backend="sdpa", quantization="int4",
+        allow_pickle_checkpoints=True, enforce_eager=True, tensor_parallel_size=2,
+        kv_allocation="pow2",
+    )  # fmt: skip
+    defaults = EngineArgs()
+    changed = {
+        name for name in EngineArgs.field_names() if getattr(args, name) != getattr(defaults, name)
+    }
+    assert changed == EngineArgs.field_names() - {"disable_log_stats"}  # it has no engine flag
+    parser = build_parser()
+    for command in (["generate"], ["chat"], ["serve"], ["bench", "throughput"]):
+        rebuilt = engine_args_from(parser.parse_args([*command, *args.to_cli_args()]))
+        # --disable-log-stats is serve's own flag, off by default there
+        assert rebuilt.disable_log_stats is (command != ["serve"])
+        assert dataclasses.replace(rebuilt, disable_log_stats=True) == args, command
+    short = engine_args_from(parser.parse_args(["generate", "-q", "int8", "-tp", "2"]))
+    assert (short.quantization, short.tensor_parallel_size) == ("int8", 2)

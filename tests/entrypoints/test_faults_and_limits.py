@@ -25,7 +25,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai import serving_completion
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.entrypoints.openai.serving import ServerLimits
+from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
 from tests.conftest import runner_of, save_tiny_llama
 from tests.server_process import free_port, start_server
 
@@ -53,11 +53,11 @@ def _engine(model: str) -> AsyncLLMEngine:
 class InProcessServer:
     """uvicorn in a thread, on loopback, over an AsyncLLMEngine the test can reach into."""
 
-    def __init__(self, async_engine: AsyncLLMEngine, **app_kwargs) -> None:
+    def __init__(self, async_engine: AsyncLLMEngine, **options) -> None:
         self.engine = async_engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(async_engine, "tiny", **app_kwargs)
+        app = build_app(async_engine, ServerConfig("tiny", **options))
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -25,6 +25,7 @@ from pagedllm import EngineArgs
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.server_config import ServerConfig
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
 
 MODEL = "tiny"
@@ -69,7 +70,7 @@ def api(tmp_path_factory):
         )
     )
     async_engine = AsyncLLMEngine(engine)
-    client = TestClient(build_app(async_engine, MODEL), raise_server_exceptions=False)
+    client = TestClient(build_app(async_engine, ServerConfig(MODEL)), raise_server_exceptions=False)
     pool = ThreadPoolExecutor(1)
     yield client, async_engine, pool
     pool.shutdown(wait=False, cancel_futures=True)

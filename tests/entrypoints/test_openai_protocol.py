@@ -9,10 +9,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedllm.benchmarks.serve import RequestResult, format_summary, summarize
-from pagedllm.entrypoints.cli import _chat_template_arg, build_parser, engine_args_from
+from pagedllm.entrypoints.cli import (
+    _chat_template_arg,
+    build_parser,
+    engine_args_from,
+    server_config_from,
+)
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import stats_line
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
 from pagedllm.entrypoints.openai.serving import merge
 from pagedllm.entrypoints.openai.serving_chat import chat_logprobs
 from pagedllm.entrypoints.openai.serving_completion import completion_logprobs
@@ -112,7 +118,7 @@ def _error(response, status, fragment):
 
 def test_app_errors_metrics_and_api_key(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
-    client = TestClient(build_app(_stub_engine(), "stub"))
+    client = TestClient(build_app(_stub_engine(), ServerConfig("stub")))
     _error(client.post("/v1/completions", json={"prompt": "x", "model": "m"}), 404, "`m`")
     _error(client.post("/v1/completions", json={"prompt": "x", "n": []}), 400, "n:")
     json_header = {"content-type": "application/json"}
@@ -130,12 +136,12 @@ def test_app_errors_metrics_and_api_key(monkeypatch):
     assert 'pagedllm:num_requests_running{model_name="stub"} 2.0' in metrics
     assert 'pagedllm:kv_cache_usage_perc{model_name="stub"} 0.25' in metrics
 
-    dead = TestClient(build_app(_stub_engine(alive=False), "stub"))
+    dead = TestClient(build_app(_stub_engine(alive=False), ServerConfig("stub")))
     assert dead.get("/health").status_code == 503
     _error(dead.post("/v1/completions", json={"prompt": [1]}), 503, "stopped")
 
     monkeypatch.setenv("PAGEDLLM_API_KEY", "k")
-    keyed = TestClient(build_app(_stub_engine(), "stub"))
+    keyed = TestClient(build_app(_stub_engine(), ServerConfig("stub")))
     _error(keyed.get("/v1/models"), 401, "API key")
     _error(keyed.get("/v1/models", headers={"Authorization": "Bearer x"}), 401, "API key")
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
@@ -156,6 +162,32 @@ def test_serve_flags(tmp_path):
     assert _chat_template_arg(str(path)) == "{{ messages }}"
     assert _chat_template_arg("{{ inline }}") == "{{ inline }}"
     assert _chat_template_arg(None) is None
+
+
+def test_serve_flags_make_one_server_config():
+    parser = build_parser()
+    config = server_config_from(parser.parse_args(["serve"]))
+    assert config == ServerConfig(
+        log_stats_interval=10.0, max_waiting_requests=1024, limits=ServerLimits()
+    )  # the library's defaults but for the stats lines and the queue bound
+    ns = parser.parse_args(
+        ["serve", "--model", "m.gguf", "--host", "0.0.0.0", "--port", "9001", "--api-key", "k",
+         "--chat-template", "{{ x }}", "--disable-log-stats", "--max-num-queued-reqs", "0",
+         "--graceful-shutdown-timeout", "1", "--max-request-body-bytes", "0", "--max-n", "2",
+         "--disable-metrics-auth", "--enable-log-requests", "--enable-auto-tool-choice",
+         "--tool-call-parser", "json", "--no-dashboard"]
+    )  # fmt: skip
+    assert server_config_from(ns) == ServerConfig(
+        served_model_name="m.gguf", host="0.0.0.0", port=9001, api_key="k",
+        metrics_need_api_key=False, chat_template="{{ x }}", log_stats_interval=None,
+        max_waiting_requests=None, graceful_shutdown_timeout=1.0,
+        limits=ServerLimits(max_request_body_bytes=None, max_n=2), log_requests=True,
+        enable_auto_tool_choice=True, tool_call_parser="json", enable_dashboard=False,
+    )  # fmt: skip
+    assert ServerConfig().named("x").served_model_name == "x"
+    assert ServerConfig("m").named("x").served_model_name == "m"
+    with pytest.raises(SystemExit, match="needs --tool-call-parser"):
+        server_config_from(parser.parse_args(["serve", "--enable-auto-tool-choice"]))
 
 
 def _fake_generate(texts):
@@ -189,7 +221,7 @@ def _fake_generate(texts):
 def test_app_completions_streamed_and_not_and_request_metrics_on_a_stub_engine():
     stub = _stub_engine()
     stub.generate = _fake_generate(["Hel", "lo", "!"])
-    client = TestClient(build_app(stub, "stub"))
+    client = TestClient(build_app(stub, ServerConfig("stub")))
     out = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "n": 2}).json()
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert {c["text"] for c in out["choices"]} == {"Hello!"}
@@ -233,10 +265,10 @@ def test_stats_line():
 def test_waiting_queue_bound_refuses_with_503():
     stub = _stub_engine()  # one request waiting
     stub.generate = _fake_generate(["a"])
-    client = TestClient(build_app(stub, "stub", max_waiting_requests=2))
+    client = TestClient(build_app(stub, ServerConfig("stub", max_waiting_requests=2)))
     assert client.post("/v1/completions", json={"prompt": [1]}).status_code == 200
     _error(client.post("/v1/completions", json={"prompt": [[1], [2]]}), 503, "overloaded")
-    full = TestClient(build_app(stub, "stub", max_waiting_requests=1))
+    full = TestClient(build_app(stub, ServerConfig("stub", max_waiting_requests=1)))
     response = full.post("/v1/completions", json={"prompt": [1]})
     _error(response, 503, "1 requests are waiting (at most 1")
     assert response.headers["retry-after"] == "1"

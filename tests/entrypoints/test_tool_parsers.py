@@ -10,14 +10,14 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ExtractedToolCalls,
     HermesToolParser,
     JsonToolParser,
-    ToolCall,
+    ParsedToolCall,
     ToolCallStreamer,
     get_tool_parser,
     parse_required_calls,
 )
 
 NAMES = ["get_weather", "search"]
-PARIS = ToolCall("get_weather", '{"city": "Paris"}')
+PARIS = ParsedToolCall("get_weather", '{"city": "Paris"}')
 
 
 def block(name, args, key="arguments"):
@@ -41,7 +41,7 @@ def test_hermes_two_calls_with_content_before_between_after():
         + "\nDone."
     )
     got = HermesToolParser(NAMES).extract(text)
-    assert got.calls == [PARIS, ToolCall("search", '{"q": "x", "n": [1, 2]}')]
+    assert got.calls == [PARIS, ParsedToolCall("search", '{"q": "x", "n": [1, 2]}')]
     assert got.content == "Let me look.\n\nand then\n\nDone."
 
 
@@ -51,13 +51,13 @@ def test_hermes_blocks_back_to_back_without_whitespace():
         '<tool_call>{"name": "search"}</tool_call>'
     )
     got = HermesToolParser().extract(text)
-    assert got == ExtractedToolCalls(None, [ToolCall("search", "{}")] * 2)
+    assert got == ExtractedToolCalls(None, [ParsedToolCall("search", "{}")] * 2)
 
 
 def test_hermes_arguments_as_json_string_are_normalised():
     text = block("get_weather", '{"city":  "Zürich"}')
     assert HermesToolParser(NAMES).extract(text).calls == [
-        ToolCall("get_weather", '{"city": "Zürich"}')
+        ParsedToolCall("get_weather", '{"city": "Zürich"}')
     ]
 
 
@@ -66,7 +66,7 @@ def test_hermes_parameters_alias_and_missing_arguments():
     text = block("get_weather", {"city": "Paris"}, key="parameters")
     assert parser.extract(text).calls == [PARIS]
     text = '<tool_call>{"name": "search"}</tool_call>'
-    assert parser.extract(text).calls == [ToolCall("search", "{}")]
+    assert parser.extract(text).calls == [ParsedToolCall("search", "{}")]
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_hermes_parameters_alias_and_missing_arguments():
 def test_hermes_invalid_block_stays_content(bad):
     text = f"Before {bad} middle {block('search', {'q': 'a'})} after"
     got = HermesToolParser(NAMES).extract(text)
-    assert got.calls == [ToolCall("search", '{"q": "a"}')]
+    assert got.calls == [ParsedToolCall("search", '{"q": "a"}')]
     assert got.content == f"Before {bad} middle  after"
 
 
@@ -92,7 +92,7 @@ def test_hermes_unknown_tool_stays_content_but_any_name_without_names():
     text = block("delete_everything", {})
     got = HermesToolParser(NAMES).extract(text)
     assert got == ExtractedToolCalls(text, [])
-    assert HermesToolParser().extract(text).calls == [ToolCall("delete_everything", "{}")]
+    assert HermesToolParser().extract(text).calls == [ParsedToolCall("delete_everything", "{}")]
 
 
 def test_hermes_unterminated_last_block():
@@ -105,14 +105,14 @@ def test_hermes_unterminated_last_block():
     # Unterminated and followed by another block: only a last block may be unterminated.
     first = '<tool_call>{"name": "search"}'
     got = parser.extract(first + block("search", {}))
-    assert got == ExtractedToolCalls(first, [ToolCall("search", "{}")])
+    assert got == ExtractedToolCalls(first, [ParsedToolCall("search", "{}")])
 
 
 def test_hermes_closing_tag_inside_a_json_string():
     text = block("search", {"q": "</tool_call> and <tool_call>"}) + " ok"
     got = HermesToolParser(NAMES).extract(text)
     assert got == ExtractedToolCalls(
-        "ok", [ToolCall("search", '{"q": "</tool_call> and <tool_call>"}')]
+        "ok", [ParsedToolCall("search", '{"q": "</tool_call> and <tool_call>"}')]
     )
 
 
@@ -156,13 +156,13 @@ SEARCH = {"name": "search", "parameters": {"q": "a"}}
     [
         (json.dumps(CALL), [PARIS]),
         ("  \n" + json.dumps(CALL) + "\n", [PARIS]),
-        (json.dumps([CALL, SEARCH]), [PARIS, ToolCall("search", '{"q": "a"}')]),
+        (json.dumps([CALL, SEARCH]), [PARIS, ParsedToolCall("search", '{"q": "a"}')]),
         (json.dumps({"tool_calls": [CALL]}), [PARIS]),
         ("```json\n" + json.dumps(CALL) + "\n```", [PARIS]),
         ("```\n" + json.dumps([CALL]) + "\n```", [PARIS]),
         (
             json.dumps({"name": "search", "arguments": '{"q":"a"}'}),
-            [ToolCall("search", '{"q": "a"}')],
+            [ParsedToolCall("search", '{"q": "a"}')],
         ),
     ],
 )
@@ -202,7 +202,7 @@ def test_json_complete_calls_only_once_it_all_parses():
     text = json.dumps([CALL, SEARCH])
     for i in range(len(text)):
         assert parser.complete_calls(text[:i]) == []
-    assert parser.complete_calls(text) == [PARIS, ToolCall("search", '{"q": "a"}')]
+    assert parser.complete_calls(text) == [PARIS, ParsedToolCall("search", '{"q": "a"}')]
     assert parser.complete_calls("Hi }") == []
 
 
@@ -214,13 +214,13 @@ def test_required_complete_array():
         ' [\n {"name": "get_weather", "arguments": {"city": "Paris"}},\n'
         ' {"name": "search", "arguments": {}}\n]'
     )
-    assert parse_required_calls(text, NAMES) == [PARIS, ToolCall("search", "{}")]
+    assert parse_required_calls(text, NAMES) == [PARIS, ParsedToolCall("search", "{}")]
 
 
 def test_required_partial_element_after_a_complete_one():
     text = '[{"name": "search", "arguments": {"q": "a]}", "o": {"p": ["}", "]"]}}}, {"name": "get_w'
     assert parse_required_calls(text, NAMES) == [
-        ToolCall("search", '{"q": "a]}", "o": {"p": ["}", "]"]}}')
+        ParsedToolCall("search", '{"q": "a]}", "o": {"p": ["}", "]"]}}')
     ]
 
 
@@ -228,7 +228,7 @@ def test_required_every_prefix_is_a_prefix_of_the_final_calls():
     args = {"q": 'x "quoted" ]}', "nested": {"a": [1, {"b": "}]"}]}}
     text = json.dumps([CALL, {"name": "search", "arguments": args}, CALL])
     final = parse_required_calls(text, NAMES)
-    assert final == [PARIS, ToolCall("search", json.dumps(args)), PARIS]
+    assert final == [PARIS, ParsedToolCall("search", json.dumps(args)), PARIS]
     seen = []
     for i in range(len(text) + 1):
         got = parse_required_calls(text[:i], NAMES)
@@ -284,12 +284,13 @@ def test_format_call_round_trips(cls, arguments):
     parser = cls(NAMES)
     text = parser.format_call("get_weather", arguments)
     expected = json.dumps(json.loads(arguments or "{}"), ensure_ascii=False)
-    assert parser.extract(text) == ExtractedToolCalls(None, [ToolCall("get_weather", expected)])
+    want = ExtractedToolCalls(None, [ParsedToolCall("get_weather", expected)])
+    assert parser.extract(text) == want
 
 
 @pytest.mark.parametrize("cls", [HermesToolParser, JsonToolParser])
 def test_format_calls_round_trips(cls):
-    calls = [PARIS, ToolCall("search", '{"q": "a"}')]
+    calls = [PARIS, ParsedToolCall("search", '{"q": "a"}')]
     parser = cls(NAMES)
     assert parser.extract(parser.format_calls(calls)) == ExtractedToolCalls(None, calls)
 

@@ -20,6 +20,7 @@ from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.model_loader import load_gguf
 from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
 
@@ -142,7 +143,9 @@ def test_server_answers_400_and_keeps_serving(tmp_path, marker):
     )
     async_engine = AsyncLLMEngine(engine)
     try:
-        client = TestClient(build_app(async_engine, "tiny"), raise_server_exceptions=False)
+        client = TestClient(
+            build_app(async_engine, ServerConfig("tiny")), raise_server_exceptions=False
+        )
         for path, body in [
             ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
             ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True}),
@@ -157,7 +160,7 @@ def test_server_answers_400_and_keeps_serving(tmp_path, marker):
         assert ok.status_code == 200 and async_engine.is_running
         # A literal payload given with --chat-template is refused per request just the same.
         hostile = _payload(LITERAL["lipsum globals"], marker)
-        client = TestClient(build_app(async_engine, "tiny", chat_template=hostile))
+        client = TestClient(build_app(async_engine, ServerConfig("tiny", chat_template=hostile)))
         response = client.post("/v1/chat/completions", json={"messages": MESSAGES})
         assert response.status_code == 400 and "template-injection" in response.text
     finally:

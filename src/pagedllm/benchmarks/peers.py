@@ -172,26 +172,6 @@ def server_process(argv: list[str], url: str, log_path: Path, timeout: float = 6
                     proc.wait()
 
 
-def engine_flags_argv(engine_args: EngineArgs) -> list[str]:
-    """The `pagedllm serve` flags that reproduce `engine_args` (those away from the defaults)."""
-    from pagedllm.entrypoints.cli import _ENGINE_FLAGS
-
-    defaults = EngineArgs()
-    argv: list[str] = []
-    for flag in _ENGINE_FLAGS:
-        field = flag[2:].replace("-", "_")
-        value = getattr(engine_args, field)
-        if value is not None and value != getattr(defaults, field):
-            argv += [flag, str(value)]
-    for field in ("enable_chunked_prefill", "enable_prefix_caching"):
-        if not getattr(engine_args, field):
-            argv.append("--no-" + field.replace("_", "-"))
-    for field in ("allow_pickle_checkpoints", "enforce_eager"):
-        if getattr(engine_args, field):
-            argv.append("--" + field.replace("_", "-"))
-    return argv
-
-
 def _served_model(url: str) -> str:
     import httpx
 
@@ -264,7 +244,7 @@ def run_pagedllm(ns, engine_args, requests, decode_request, workdir: Path) -> di
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--disable-log-stats", "--max-num-queued-reqs", "0",
-            *engine_flags_argv(engine_args)]  # fmt: skip
+            *engine_args.to_cli_args()]  # fmt: skip
     log_path = workdir / "pagedllm-serve.log"
     t0 = time.perf_counter()
     with server_process(argv, url, log_path) as proc:

@@ -42,15 +42,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(async_engine, served_model_name: str, **app_kwargs) -> Iterator[str]:
+def serve_in_thread(async_engine, served_model_name: str, **options) -> Iterator[str]:
     """A real uvicorn server on a free loopback port, on a thread; yields its base URL. Leaving
-    the block stops the server (not the engine)."""
+    the block stops the server (not the engine). `options`: other ServerConfig fields."""
     import httpx
     import uvicorn
 
     from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.server_config import ServerConfig
 
-    app = build_app(async_engine, served_model_name, **app_kwargs)
+    app = build_app(async_engine, ServerConfig(served_model_name, **options))
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)

@@ -4,9 +4,10 @@ into an EngineConfig (engine_config.py) before anything is built."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -35,43 +36,127 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(number * base**power)
 
 
+def _flag(default, help: str, **cli):
+    """A field with its command-line flag (`--` + the name with dashes). Metadata: `help`;
+    `choices`, the values validate() accepts; `short`, a second flag; `action`, how a boolean
+    is spelled (argparse's). The CLI builds its engine group from it (entrypoints/cli.py);
+    `to_cli_args` goes back."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineArgs:
     """Every engine flag; `LLM(**kwargs)` and the CLI both fill this (names follow vLLM)."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: str | int | None = None  # bytes, or "4GiB"; default: a share of free memory
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap
-    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (swap mode)
-    attention_backend: str = "auto"
+    model: str | None = _flag(
+        None,
+        "GGUF file, Hugging Face directory, or a packaged model's short name "
+        "(default: SmolLM2-135M-Instruct)",
+    )
+    tokenizer: str | None = _flag(None, "tokenizer directory if not the model's own")
+    dtype: str = _flag(
+        "auto",
+        "float32 | bfloat16 | float16 | auto (bfloat16 on CUDA and on CPUs with bf16 "
+        "instructions, else float32)",
+        choices=DTYPES,
+    )
+    # Not checked here: torch.device() takes "cuda:1" too.
+    device: str = _flag("auto", "cpu | cuda | auto")
+    seed: int = _flag(0, "seed for random sampling")
+    max_model_len: int | None = _flag(
+        None, "context length (prompt + output); default: the model's"
+    )
+    block_size: int = _flag(16, "tokens per KV-cache block")
+    # str first: the CLI keeps the text ("4GiB"), parse_bytes reads it
+    kv_cache_memory: str | int | None = _flag(
+        None, "KV cache size, in bytes or with a unit (e.g. 2GiB); default 4GiB on CPU"
+    )
+    gpu_memory_utilization: float = _flag(0.9, "share of GPU memory to use")
+    num_gpu_blocks_override: int | None = _flag(
+        None, "number of KV-cache blocks, overriding the memory budget"
+    )
+    max_num_seqs: int = _flag(256, "most requests in one batch")
+    # default: max(2048, min(max_model_len, 8192))
+    max_num_batched_tokens: int | None = _flag(
+        None, "token budget of one step (prefill chunks + decodes)"
+    )
+    enable_chunked_prefill: bool = _flag(
+        True, "split long prompts across steps", action=argparse.BooleanOptionalAction
+    )
+    enable_prefix_caching: bool = _flag(
+        True,
+        "reuse the KV blocks of prompt prefixes seen before",
+        action=argparse.BooleanOptionalAction,
+    )
+    preemption_mode: str = _flag(
+        "recompute",
+        "recompute | swap: what happens to a preempted request's KV cache",
+        choices=PREEMPTION_MODES,
+    )
+    swap_space: float = _flag(
+        4.0,
+        "GiB of CPU memory for swapped-out KV blocks (swap mode; at most the KV cache's size)",
+    )
+    # Not checked here: the attention selector does, after "auto" is resolved
+    attention_backend: str = _flag("auto", "auto | cpu | sdpa | torch | triton")
+    # No engine flag: `serve` has --disable-log-stats (there the stats are logged by default);
+    # the CLI's engine_args_from picks it up from there.
     disable_log_stats: bool = True
-    # none | int8 | int4: weight-only quantized projections (CPU; kernels/csrc/quant_linear.cpp)
-    quantization: str = "none"
-    # Load a HF directory's pickle weights (pytorch_model.bin, *.pt) when it has no safetensors,
-    # with torch.load(weights_only=True); refused by default, as a pickle can carry code.
-    allow_pickle_checkpoints: bool = False
-    # Run every step through the model's PyTorch modules: no fused C++ decoder (CPU decode steps)
-    enforce_eager: bool = False
-    # Ranks the model is split across (distributed/): this process and N - 1 it spawns
-    tensor_parallel_size: int = 1
-    # paged | max | pow2 | oracle: the pre-paging contiguous reservations, for benchmarks only
-    kv_allocation: str = "paged"
+    # Weight-only quantized projections (CPU; kernels/csrc/quant_linear.cpp)
+    quantization: str = _flag(
+        "none",
+        "none | int8 | int4: keep the projection weights quantized in memory (CPU kernels; "
+        "GGUF Q4 / Q8_0 blocks taken as they are)",
+        choices=QUANTIZATION_METHODS,
+        short="-q",
+    )
+    allow_pickle_checkpoints: bool = _flag(
+        False,
+        "load a directory's pytorch_model.bin / *.pt weights when it has no safetensors, with "
+        "torch.load(weights_only=True) (refused by default: a pickle can carry code)",
+        action="store_true",
+    )
+    enforce_eager: bool = _flag(
+        False,
+        "always run the model's PyTorch modules: no fused C++ decoder for decode steps on CPU "
+        "(it gives the same tokens, faster)",
+        action="store_true",
+    )
+    # This process and N - 1 it spawns (distributed/)
+    tensor_parallel_size: int = _flag(
+        1,
+        "split the model across this many processes (torch.distributed: gloo on CPU, NCCL on CUDA)",
+        short="-tp",
+    )
+    kv_allocation: str = _flag(
+        "paged",
+        "paged | max | pow2 | oracle: paged blocks, or one contiguous region per request sized "
+        "as pre-paging systems did (benchmarks only)",
+        choices=KV_ALLOCATIONS,
+    )
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    def to_cli_args(self) -> list[str]:
+        """The command-line flags that rebuild these args: those whose values differ from the
+        defaults, in field order (fields without a flag left out)."""
+        defaults = EngineArgs()
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "help" not in f.metadata or value is None or value == getattr(defaults, f.name):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            action = f.metadata.get("action")
+            if action is None:
+                argv += [flag, str(value)]
+            elif value:
+                argv.append(flag)
+            elif action is argparse.BooleanOptionalAction:
+                argv.append("--no-" + flag[2:])
+        return argv
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -88,25 +173,12 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
         parse_bytes(self.kv_cache_memory)
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
-            )
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
-                f"got {self.quantization!r}"
-            )
-        if self.kv_allocation not in KV_ALLOCATIONS:
-            raise ValueError(
-                f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
-                f"got {self.kv_allocation!r}"
-            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.quantization != "none":

@@ -3,69 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
+import typing
 
 from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
-# flag -> (EngineArgs field, type, help). Names follow vLLM's.
-_ENGINE_FLAGS = {
-    "--model": (str, "GGUF file, Hugging Face directory, or a packaged model's short name "
-                     "(default: SmolLM2-135M-Instruct)"),
-    "--tokenizer": (str, "tokenizer directory if not the model's own"),
-    "--dtype": (str, "float32 | bfloat16 | float16 | auto (bfloat16 on CUDA and on CPUs "
-                     "with bf16 instructions, else float32)"),
-    "--device": (str, "cpu | cuda | auto"),
-    "--seed": (int, "seed for random sampling"),
-    "--max-model-len": (int, "context length (prompt + output); default: the model's"),
-    "--block-size": (int, "tokens per KV-cache block"),
-    "--kv-cache-memory": (str, "KV cache size, in bytes or with a unit (e.g. 2GiB); "
-                               "default 4GiB on CPU"),
-    "--gpu-memory-utilization": (float, "share of GPU memory to use"),
-    "--num-gpu-blocks-override": (int, "number of KV-cache blocks, overriding the memory budget"),
-    "--max-num-seqs": (int, "most requests in one batch"),
-    "--max-num-batched-tokens": (int, "token budget of one step (prefill chunks + decodes)"),
-    "--preemption-mode": (str, "recompute | swap: what happens to a preempted request's KV cache"),
-    "--swap-space": (float, "GiB of CPU memory for swapped-out KV blocks (swap mode; at most "
-                            "the KV cache's size)"),
-    "--attention-backend": (str, "auto | cpu | sdpa | torch | triton"),
-    "--tensor-parallel-size": (int, "split the model across this many processes (torch."
-                                    "distributed: gloo on CPU, NCCL on CUDA)"),
-    "--quantization": (str, "none | int8 | int4: keep the projection weights quantized in "
-                            "memory (CPU kernels; GGUF Q4 / Q8_0 blocks taken as they are)"),
-    "--kv-allocation": (str, "paged | max | pow2 | oracle: paged blocks, or one contiguous "
-                             "region per request sized as pre-paging systems did (benchmarks "
-                             "only)"),
-}  # fmt: skip
-_SHORT_FLAGS = {"--quantization": "-q", "--tensor-parallel-size": "-tp"}
-
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine group: a flag for each EngineArgs field with a help text (config/engine_args.py).
+    Its choices are left to EngineArgs.validate(), which LLM(...) runs as well."""
     defaults = EngineArgs()
+    hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
-    for flag, (type_, help_) in _ENGINE_FLAGS.items():
-        field = flag[2:].replace("-", "_")
-        default = getattr(defaults, field)
+    for field in dataclasses.fields(EngineArgs):
+        meta = field.metadata
+        if "help" not in meta:
+            continue
+        names = ["--" + field.name.replace("_", "-"), *([meta["short"]] if "short" in meta else [])]
+        default = getattr(defaults, field.name)
+        if "action" in meta:
+            group.add_argument(*names, action=meta["action"], default=default, help=meta["help"])
+            continue
+        # The annotation's first type (`int | None` -> int) reads the text.
+        type_ = (typing.get_args(hints[field.name]) or (hints[field.name],))[0]
         shown = "" if default is None else f" (default: {default})"
-        names = [flag, _SHORT_FLAGS[flag]] if flag in _SHORT_FLAGS else [flag]
-        group.add_argument(*names, type=type_, default=default, help=help_ + shown)
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=True, help="split long prompts across steps")  # fmt: skip
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True,
-                       help="reuse the KV blocks of prompt prefixes seen before")  # fmt: skip
-    group.add_argument("--allow-pickle-checkpoints", action="store_true",
-                       help="load a directory's pytorch_model.bin / *.pt weights when it has no "
-                       "safetensors, with torch.load(weights_only=True) (refused by default: a "
-                       "pickle can carry code)")  # fmt: skip
-    group.add_argument("--enforce-eager", action="store_true",
-                       help="always run the model's PyTorch modules: no fused C++ decoder for "
-                       "decode steps on CPU (it gives the same tokens, faster)")  # fmt: skip
+        group.add_argument(*names, type=type_, default=default, help=meta["help"] + shown)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs fields in `ns`: the engine group's flags, and serve's --disable-log-stats."""
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
 
 
@@ -196,19 +166,13 @@ def _chat_template_arg(value: str | None) -> str | None:
     return value
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
-    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.openai.api_server import run_server
+def server_config_from(ns: argparse.Namespace):
+    """`serve`'s own flags as a ServerConfig, checked before the model loads."""
+    from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
 
-    if ns.model_tag is not None:
-        ns.model = ns.model_tag
     chat_template = _chat_template_arg(ns.chat_template)
-    from pagedllm.entrypoints.openai.serving import ServerLimits
-
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or json)")
-
     limits = ServerLimits(
         max_request_body_bytes=ns.max_request_body_bytes or None,
         max_n=ns.max_n,
@@ -216,25 +180,35 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         max_stop=ns.max_stop,
         max_prompts=ns.max_prompts,
     )
-    engine = LLMEngine(engine_args_from(ns))
-    name = ns.served_model_name or ns.model or engine.model_name
-    run_server(
-        AsyncLLMEngine(engine, start_thread=False),  # run_server runs the loop on this thread
-        name,
+    return ServerConfig(
+        served_model_name=ns.served_model_name or ns.model,  # None: the engine's model name
         host=ns.host,
         port=ns.port,
         api_key=ns.api_key,
+        metrics_need_api_key=not ns.disable_metrics_auth,
         chat_template=chat_template,
         log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
         max_waiting_requests=ns.max_waiting_requests or None,
-        grace=ns.graceful_shutdown_timeout,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         limits=limits,
-        metrics_need_api_key=not ns.disable_metrics_auth,
         log_requests=ns.enable_log_requests,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         enable_dashboard=ns.enable_dashboard,
     )
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    config = server_config_from(ns)
+    engine = LLMEngine(engine_args_from(ns))
+    # run_server runs the engine loop on this thread
+    run_server(AsyncLLMEngine(engine, start_thread=False), config)
     return 0
 
 

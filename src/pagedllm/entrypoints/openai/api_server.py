@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: `build_app(...)` and `run_server(...)`."""
+"""The OpenAI-compatible HTTP server: `build_app(engine, config)` and `run_server(engine, config)`,
+a ServerConfig (server_config.py) saying how."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving import OpenAIError, ServerLimits, error_body
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.tools import offered_tools
@@ -123,35 +125,18 @@ async def _no_body():
     return {"type": "http.disconnect"}
 
 
-def build_app(
-    async_engine: AsyncLLMEngine,
-    served_model_name: str,
-    api_key: str | None = None,
-    chat_template: str | None = None,
-    log_stats_interval: float | None = None,
-    max_waiting_requests: int | None = None,
-    limits: ServerLimits | None = None,
-    metrics_need_api_key: bool = True,
-    log_requests: bool = False,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-    enable_dashboard: bool = True,
-) -> FastAPI:
-    """`log_stats_interval`: seconds between throughput / queue log lines (None: no lines);
-    `max_waiting_requests`: a request that would queue more is refused with 503; `limits`:
-    what one request may ask for; with an `api_key`, every route but /health needs it (and
-    /metrics unless `metrics_need_api_key` is False); `log_requests`: log each request's
-    prompts and parameters (off: prompts never reach the log); `enable_auto_tool_choice`:
-    tool_choice "auto" allowed, its calls read by the `tool_call_parser` (hermes or json);
-    `enable_dashboard`: serve the live KV-cache dashboard (/dashboard, /debug/kv)."""
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    limits = limits or ServerLimits()
+def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    """The app over `async_engine`, as `config` says (its host, port and shutdown timeout are
+    run_server's)."""
+    config = config.named(async_engine.engine.model_name)
+    served_model_name = config.served_model_name
+    api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         task = None
-        if log_stats_interval:
-            task = asyncio.create_task(log_stats(async_engine.engine, log_stats_interval))
+        if config.log_stats_interval:
+            task = asyncio.create_task(log_stats(async_engine.engine, config.log_stats_interval))
         async with dashboard.running(history):
             yield
         if task is not None:
@@ -159,20 +144,12 @@ def build_app(
             await asyncio.gather(task, return_exceptions=True)
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    history = dashboard.add_dashboard(app, async_engine) if enable_dashboard else None
+    history = dashboard.add_dashboard(app, async_engine) if config.enable_dashboard else None
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
     metrics = RequestMetrics(registry, served_model_name)
-    serving = (
-        async_engine, served_model_name, chat_template, metrics, max_waiting_requests, limits,
-        log_requests,
-    )  # fmt: skip
-    completions = OpenAIServingCompletion(*serving)
-    chat = OpenAIServingChat(
-        *serving,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser,
-    )
+    completions = OpenAIServingCompletion(async_engine, config, metrics)
+    chat = OpenAIServingChat(async_engine, config, metrics)
     app.state.async_engine = async_engine
 
     @app.exception_handler(OpenAIError)
@@ -196,7 +173,7 @@ def build_app(
         return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
 
     if api_key:
-        open_paths = {"/health"} if metrics_need_api_key else {"/health", "/metrics"}
+        open_paths = {"/health"} if config.metrics_need_api_key else {"/health", "/metrics"}
         # Digests of equal length, compared in constant time: how long a check takes says
         # nothing about the key, not even its length.
         expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
@@ -224,9 +201,9 @@ def build_app(
                     return JSONResponse(body, status_code=401, headers=headers)
             return await call_next(request)
 
-    if limits.max_request_body_bytes is not None:
+    if config.limits.max_request_body_bytes is not None:
         # Added last, so outermost: nothing behind it ever reads an unbounded body.
-        app.add_middleware(BodySizeLimit, limit=limits.max_request_body_bytes)
+        app.add_middleware(BodySizeLimit, limit=config.limits.max_request_body_bytes)
 
     @app.get("/health")
     async def health():
@@ -268,7 +245,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give either prompt or messages", param="prompt")
         if body.messages is not None:
-            tools = offered_tools(body.tools, chat.tool_call_parser)
+            tools = offered_tools(body.tools, config.tool_call_parser)
             ids = chat.render(body.messages, body.add_generation_prompt, tools)["prompt_token_ids"]
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -313,46 +290,19 @@ class _Server(uvicorn.Server):
             stopper.cancel()
 
 
-def run_server(
-    async_engine: AsyncLLMEngine,
-    served_model_name: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    chat_template: str | None = None,
-    log_stats_interval: float | None = 10.0,
-    max_waiting_requests: int | None = None,
-    grace: float = 5.0,
-    limits: ServerLimits | None = None,
-    metrics_need_api_key: bool = True,
-    log_requests: bool = False,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-    enable_dashboard: bool = True,
-) -> None:
-    """Serve until Ctrl-C or SIGTERM (uvicorn's handlers): running requests get `grace`
-    seconds to finish, then the engine loop stops."""
-    app = build_app(
-        async_engine,
-        served_model_name,
-        api_key,
-        chat_template,
-        log_stats_interval,
-        max_waiting_requests,
-        limits,
-        metrics_need_api_key,
-        log_requests,
-        enable_auto_tool_choice,
-        tool_call_parser,
-        enable_dashboard,
-    )
+def run_server(async_engine: AsyncLLMEngine, config: ServerConfig) -> None:
+    """Serve at config.host:config.port until Ctrl-C or SIGTERM (uvicorn's handlers): running
+    requests get config.graceful_shutdown_timeout seconds to finish, then the engine loop stops."""
+    config = config.named(async_engine.engine.model_name)
+    host, port, grace = config.host, config.port, config.graceful_shutdown_timeout
+    app = build_app(async_engine, config)
     # uvicorn cancels what still runs 5 s after the engine stopped (a backstop).
-    config = uvicorn.Config(
+    uvicorn_config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace + 5
     )
-    server = _Server(config, async_engine, grace)
-    logger.info("serving %s at http://%s:%d/v1", served_model_name, host, port)
-    if enable_dashboard:
+    server = _Server(uvicorn_config, async_engine, grace)
+    logger.info("serving %s at http://%s:%d/v1", config.served_model_name, host, port)
+    if config.enable_dashboard:
         logger.info("KV-cache dashboard at http://%s:%d/dashboard", host, port)
     if not async_engine.has_loop_thread:
         _serve_with_the_loop_here(server, async_engine)

@@ -1,21 +1,25 @@
-"""What completions and chat share: errors, prompt checks, merged streams, disconnects."""
+"""What completions and chat share: one request's skeleton (`OpenAIServing.create`, with hooks
+for what differs), errors, prompt checks, merged streams, disconnects."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
+from pagedllm.entrypoints.openai.protocol import random_id
+from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
@@ -33,31 +37,6 @@ _STRUCTURED_FIELDS = {
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
 }  # fmt: skip
 MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
-
-
-@dataclass
-class ServerLimits:
-    """What one request may ask for (each a `serve` flag): beyond it, a 400 (413 for the body)."""
-
-    max_request_body_bytes: int | None = 8 << 20
-    max_n: int = 16  # n, best_of or the beam width: sequences one request runs
-    max_logprobs: int = 20  # logprobs / top_logprobs, and the prompt's with echo
-    max_stop: int = 64  # stop strings, and stop token ids, each
-    max_prompts: int = 128  # prompts in one completions request
-
-    def __post_init__(self) -> None:
-        body = self.max_request_body_bytes
-        if body is not None and body < 1:
-            raise ValueError(f"--max-request-body-bytes must be >= 1, got {body}")
-        for name, low in (("max_n", 1), ("max_stop", 0), ("max_prompts", 1)):
-            if getattr(self, name) < low:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be >= {low}, got {getattr(self, name)}")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit), "
-                f"got {self.max_logprobs}"
-            )
 
 
 class OpenAIError(Exception):
@@ -79,27 +58,88 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 class OpenAIServing:
+    """An endpoint's requests: `create` runs the steps both endpoints share, the hooks below it
+    (a subclass's) do what differs."""
+
+    id_prefix = ""  # of the request ids: cmpl-..., chatcmpl-...
+
     def __init__(
         self,
         async_engine: AsyncLLMEngine,
-        served_model_name: str,
-        chat_template: str | None,
+        config: ServerConfig,
         metrics: RequestMetrics | None = None,
-        max_waiting_requests: int | None = None,
-        limits: ServerLimits | None = None,
-        log_requests: bool = False,
     ) -> None:
         self.async_engine = async_engine
-        self.limits = limits or ServerLimits()
-        self.log_requests = log_requests
-        self.metrics = metrics
-        self.max_waiting_requests = max_waiting_requests
         self.engine = async_engine.engine
+        self.config = config  # its served_model_name filled in (build_app)
+        self.metrics = metrics
         self.tokenizer = self.engine.tokenizer
-        self.served_model_name = served_model_name
-        self.chat_template = chat_template
+        self.served_model_name = config.served_model_name
+        self.limits = config.limits
         self.max_model_len = self.engine.max_model_len
 
+    async def create(self, body, raw: Request):
+        """Checks (model, health, sampling parameters, limits, prompts and their lengths), the
+        engine's generators, then the stream or, once every output is final, the response."""
+        self.check_model(body.model)
+        self.check_health()
+        params = self.sampling_params(body)
+        self.check_limits(params)
+        if body.stream and params.num_sequences > params.n and not params.use_beam_search:
+            raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
+        prompts, plan = self.build_prompts(body, params)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
+        request_id = random_id(self.id_prefix)
+        self.log_request(request_id, prompts, params)
+        gens = self.generators(prompts, params, request_id, delta=body.stream)
+        if body.stream:
+            # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
+            stream = await unless_disconnected(raw, self.first_and_rest(gens))
+            if stream is None:
+                return JSONResponse({}, status_code=499)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self.stream_chunks(body, request_id, prompts, plan, stream, include_usage)
+            return DisconnectAwareStream(events(chunks, request_id), media_type="text/event-stream")
+        try:
+            finals = await unless_disconnected(raw, self.final_outputs(gens))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:  # the client left; nobody reads this
+            return JSONResponse({}, status_code=499)
+        try:
+            return self.response(body, request_id, prompts, plan, finals)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
+
+    # -- the hooks ------------------------------------------------------------------------------
+    def sampling_params(self, body) -> SamplingParams:
+        """The request's SamplingParams, with the endpoint's own checks (make_params)."""
+        raise NotImplementedError
+
+    def build_prompts(self, body, params: SamplingParams) -> tuple[list[dict], Any]:
+        """The engine prompts ({"prompt", "prompt_token_ids"}), and what the formatting hooks
+        need besides the body (chat: its tool plan; None for completions)."""
+        raise NotImplementedError
+
+    def response(self, body, request_id: str, prompts: list[dict], plan, finals: list):
+        """The whole answer, from each prompt's final RequestOutput."""
+        raise NotImplementedError
+
+    def stream_chunks(
+        self,
+        body,
+        request_id: str,
+        prompts: list[dict],
+        plan,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """The stream's chunks as JSON text (events() frames them), from the merged outputs
+        tagged with their prompt's index."""
+        raise NotImplementedError
+
+    # -- the steps ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
@@ -112,7 +152,7 @@ class OpenAIServing:
 
     def check_queue(self, num_new: int) -> None:
         """503 (retry later) when the engine's waiting queue is full."""
-        limit = self.max_waiting_requests
+        limit = self.config.max_waiting_requests
         if limit is None:
             return
         waiting = self.engine.get_stats()["num_waiting"]
@@ -172,7 +212,7 @@ class OpenAIServing:
 
     def log_request(self, request_id: str, prompts: list[dict], params: SamplingParams) -> None:
         """Prompts go to the log only with --enable-log-requests; ids and sizes always may."""
-        if self.log_requests:
+        if self.config.log_requests:
             for i, prompt in enumerate(prompts):
                 logger.info(
                     "request %s-%d: prompt %r, prompt_token_ids %s, params %s",
@@ -330,6 +370,18 @@ class DisconnectAwareStream(StreamingResponse):
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+async def events(chunks: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
+    """A stream's JSON chunks as server-sent events, then [DONE]; a failure after the status
+    was sent ends it with an in-band error event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
+            yield sse(stream_error(e, request_id))
+    yield sse("[DONE]")
 
 
 def request_failed(request_id: str, e: BaseException) -> OpenAIError:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionChoice,
@@ -19,19 +16,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
-    random_id,
 )
-from pagedllm.entrypoints.openai.serving import (
-    MAX_LOGPROB,
-    DisconnectAwareStream,
-    OpenAIError,
-    OpenAIServing,
-    engine_error,
-    request_failed,
-    sse,
-    stream_error,
-    unless_disconnected,
-)
+from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIError, OpenAIServing
 from pagedllm.entrypoints.openai.tools import (
     ToolCallStream,
     ToolPlan,
@@ -41,6 +27,7 @@ from pagedllm.entrypoints.openai.tools import (
     template_messages,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 
 def _logprob(lp: Logprob) -> ChatLogProb:
@@ -79,21 +66,12 @@ def _message_dict(message) -> dict:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(
-        self,
-        *args,
-        enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.tool_call_parser = tool_call_parser
+    id_prefix = "chatcmpl"
 
     def render(self, messages, add_generation_prompt: bool, tools: ToolPlan | None = None) -> dict:
         """Chat messages (and the tools they may call) through the template ->
         {"prompt", "prompt_token_ids"}."""
-        template = self.chat_template or (self.tokenizer and self.tokenizer.chat_template)
+        template = self.config.chat_template or (self.tokenizer and self.tokenizer.chat_template)
         if self.tokenizer is None or template is None:
             raise OpenAIError("this model has no chat template: use /v1/completions")
         messages = [_message_dict(m) for m in messages]
@@ -147,53 +125,27 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return body.top_logprobs or 0
 
-    async def create(self, body: ChatCompletionRequest, raw: Request):
-        self.check_model(body.model)
-        self.check_health()
-        num_logprobs = self._num_logprobs(body)
+    def sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        params = self.make_params(body.sampling_params, max_tokens, num_logprobs)
-        self.check_limits(params)
-        if body.stream and params.num_sequences > params.n and not params.use_beam_search:
-            raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
-        plan = plan_tools(body, self.enable_auto_tool_choice, self.tool_call_parser)
+        return self.make_params(body.sampling_params, max_tokens, self._num_logprobs(body))
+
+    def build_prompts(self, body: ChatCompletionRequest, params) -> tuple[list[dict], ToolPlan]:
+        """The conversation through the template, and how the reply may call tools."""
+        plan = plan_tools(body, self.config.enable_auto_tool_choice, self.config.tool_call_parser)
         self._constrain_tool_calls(plan, params)
-        prompt = self.render(body.messages, body.add_generation_prompt, plan)
-        self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
-        request_id = random_id("chatcmpl")
-        self.log_request(request_id, [prompt], params)
-        gens = self.generators([prompt], params, request_id, delta=body.stream)
-        if body.stream:
-            # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
-            stream = await unless_disconnected(raw, self.first_and_rest(gens))
-            if stream is None:
-                return JSONResponse({}, status_code=499)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return DisconnectAwareStream(
-                self._stream(body, request_id, stream, include_usage, plan),
-                media_type="text/event-stream",
-            )
-        try:
-            finals = await unless_disconnected(raw, self.final_outputs(gens))
-        except Exception as e:
-            raise engine_error(e) from None
-        if finals is None:
-            return JSONResponse({}, status_code=499)
-        try:
-            return self._response(request_id, finals[0], num_logprobs, plan)
-        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
-            raise request_failed(request_id, e) from e
+        return [self.render(body.messages, body.add_generation_prompt, plan)], plan
 
     def _choice_logprobs(self, c: CompletionOutput, num_logprobs: int | None):
         if num_logprobs is None or c.logprobs is None:
             return None
         return chat_logprobs(c.token_ids, c.logprobs, num_logprobs)
 
-    def _response(
-        self, request_id: str, final: RequestOutput, num_logprobs: int | None, plan: ToolPlan
+    def response(
+        self, body, request_id: str, prompts, plan: ToolPlan, finals: list[RequestOutput]
     ) -> ChatCompletionResponse:
+        final, num_logprobs = finals[0], self._num_logprobs(body)
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             message = ChatResponseMessage(content=c.text)
@@ -224,13 +176,14 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=self.served_model_name, choices=choices, usage=usage
         )
 
-    async def _stream(
+    async def stream_chunks(
         self,
         body: ChatCompletionRequest,
         request_id: str,
+        prompts,
+        plan: ToolPlan,
         stream: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
-        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         model = self.served_model_name
         num_logprobs = self._num_logprobs(body)
@@ -238,39 +191,35 @@ class OpenAIServingChat(OpenAIServing):
         tool_streams = {}
         if plan.mode != "none":
             tool_streams = {i: ToolCallStream(plan) for i in range(body.n)}
-        try:
-            # The role comes first, once per choice, as OpenAI sends it.
-            for index in range(body.n):
-                delta = DeltaMessage(role="assistant", content="")
-                role = ChatStreamChoice(index=index, delta=delta)
-                chunk = ChatCompletionChunk(id=request_id, model=model, choices=[role])
-                yield sse(chunk.model_dump_json())
-            async for _, output in stream:
-                usage.prompt_tokens = len(output.prompt_token_ids)
-                for c in output.outputs:
-                    usage.completion_tokens += len(c.token_ids)
-                    if not c.text and not c.token_ids and c.finish_reason is None:
-                        continue
-                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
-                    tool_stream = tool_streams.get(c.index)
-                    if tool_stream is not None:
-                        delta, finish_reason = _tool_delta(tool_stream, c)
-                    choice = ChatStreamChoice(
-                        index=c.index,
-                        delta=delta,
-                        logprobs=self._choice_logprobs(c, num_logprobs),
-                        finish_reason=finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                    chunk = ChatCompletionChunk(id=request_id, model=model, choices=[choice])
-                    yield sse(chunk.model_dump_json())
-            if include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                chunk = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
-                yield sse(chunk.model_dump_json())
-        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e, request_id))
-        yield sse("[DONE]")
+        # The role comes first, once per choice, as OpenAI sends it.
+        for index in range(body.n):
+            delta = DeltaMessage(role="assistant", content="")
+            role = ChatStreamChoice(index=index, delta=delta)
+            chunk = ChatCompletionChunk(id=request_id, model=model, choices=[role])
+            yield chunk.model_dump_json()
+        async for _, output in stream:
+            usage.prompt_tokens = len(output.prompt_token_ids)
+            for c in output.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                tool_stream = tool_streams.get(c.index)
+                if tool_stream is not None:
+                    delta, finish_reason = _tool_delta(tool_stream, c)
+                choice = ChatStreamChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=self._choice_logprobs(c, num_logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                chunk = ChatCompletionChunk(id=request_id, model=model, choices=[choice])
+                yield chunk.model_dump_json()
+        if include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            chunk = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
+            yield chunk.model_dump_json()
 
 
 def _tool_delta(stream: ToolCallStream, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:

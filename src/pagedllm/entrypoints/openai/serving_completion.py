@@ -4,29 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
-
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    random_id,
 )
-from pagedllm.entrypoints.openai.serving import (
-    MAX_LOGPROB,
-    DisconnectAwareStream,
-    OpenAIError,
-    OpenAIServing,
-    engine_error,
-    request_failed,
-    sse,
-    stream_error,
-    unless_disconnected,
-)
+from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIError, OpenAIServing
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 
 def completion_logprobs(
@@ -72,8 +59,19 @@ def echo_logprobs(
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, prompt) -> list[dict]:
+    id_prefix = "cmpl"
+
+    def sampling_params(self, body: CompletionRequest) -> SamplingParams:
+        if body.suffix is not None:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs  # the echoed prompt gets logprobs too
+        return params
+
+    def build_prompts(self, body: CompletionRequest, params) -> tuple[list[dict], None]:
         """A string, a list of strings, token ids, or a list of token-id lists -> engine prompts."""
+        prompt = body.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -101,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         param="prompt",
                     )
                 prompts.append({"prompt": None, "prompt_token_ids": list(p)})
-        return prompts
+        return prompts, None
 
     def _prompt_text(self, prompt: dict) -> str:
         if prompt["prompt"] is not None:
@@ -109,44 +107,6 @@ class OpenAIServingCompletion(OpenAIServing):
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
-
-    async def create(self, body: CompletionRequest, raw: Request):
-        self.check_model(body.model)
-        self.check_health()
-        if body.suffix is not None:
-            raise OpenAIError("suffix is not supported", param="suffix")
-        params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
-        if body.echo and body.logprobs is not None:
-            params.prompt_logprobs = body.logprobs  # the echoed prompt gets logprobs too
-        self.check_limits(params)
-        if body.stream and params.num_sequences > params.n and not params.use_beam_search:
-            raise OpenAIError("best_of > n is not supported with streaming", param="best_of")
-        prompts = self._prompts(body.prompt)
-        for prompt in prompts:
-            self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
-        request_id = random_id("cmpl")
-        self.log_request(request_id, prompts, params)
-        gens = self.generators(prompts, params, request_id, delta=body.stream)
-        if body.stream:
-            # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
-            stream = await unless_disconnected(raw, self.first_and_rest(gens))
-            if stream is None:
-                return JSONResponse({}, status_code=499)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return DisconnectAwareStream(
-                self._stream(body, request_id, prompts, stream, include_usage),
-                media_type="text/event-stream",
-            )
-        try:
-            finals = await unless_disconnected(raw, self.final_outputs(gens))
-        except Exception as e:
-            raise engine_error(e) from None
-        if finals is None:  # the client left; nobody reads this
-            return JSONResponse({}, status_code=499)
-        try:
-            return self._response(body, request_id, prompts, finals)
-        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
-            raise request_failed(request_id, e) from e
 
     def _choice_logprobs(self, body, c: CompletionOutput, offset: int, echoed=None):
         """`echoed`: the RequestOutput whose prompt is echoed in front of this text, if any."""
@@ -167,8 +127,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _response(
-        self, body: CompletionRequest, request_id: str, prompts, finals: list[RequestOutput]
+    def response(
+        self, body: CompletionRequest, request_id: str, prompts, plan, finals: list[RequestOutput]
     ) -> CompletionResponse:
         choices = []
         usage = UsageInfo()
@@ -194,11 +154,12 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id, model=self.served_model_name, choices=choices, usage=usage
         )
 
-    async def _stream(
+    async def stream_chunks(
         self,
         body: CompletionRequest,
         request_id: str,
         prompts: list[dict],
+        plan,
         stream: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
     ) -> AsyncIterator[str]:
@@ -206,38 +167,34 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}  # choice index -> characters sent so far
         usage = UsageInfo()
         counted_prompts = set()
-        try:
-            async for i, output in stream:
-                if i not in counted_prompts:
-                    counted_prompts.add(i)
-                    usage.prompt_tokens += len(output.prompt_token_ids)
-                for c in output.outputs:
-                    index = i * body.n + c.index
-                    text = c.text
-                    echoed = None
-                    if index not in offsets:
-                        offsets[index] = 0
-                        if body.echo:
-                            text = self._prompt_text(prompts[i]) + text
-                            echoed = output
-                    usage.completion_tokens += len(c.token_ids)
-                    if not text and not c.token_ids and c.finish_reason is None:
-                        continue
-                    offset = offsets[index] + len(text) - len(c.text)
-                    choice = CompletionChoice(
-                        index=index,
-                        text=text,
-                        logprobs=self._choice_logprobs(body, c, offset, echoed),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                    offsets[index] += len(text)
-                    chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
-                    yield sse(chunk.model_dump_json(exclude_unset=False))
-            if include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                chunk = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
-                yield sse(chunk.model_dump_json())
-        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e, request_id))
-        yield sse("[DONE]")
+        async for i, output in stream:
+            if i not in counted_prompts:
+                counted_prompts.add(i)
+                usage.prompt_tokens += len(output.prompt_token_ids)
+            for c in output.outputs:
+                index = i * body.n + c.index
+                text = c.text
+                echoed = None
+                if index not in offsets:
+                    offsets[index] = 0
+                    if body.echo:
+                        text = self._prompt_text(prompts[i]) + text
+                        echoed = output
+                usage.completion_tokens += len(c.token_ids)
+                if not text and not c.token_ids and c.finish_reason is None:
+                    continue
+                offset = offsets[index] + len(text) - len(c.text)
+                choice = CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=self._choice_logprobs(body, c, offset, echoed),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                offsets[index] += len(text)
+                chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
+                yield chunk.model_dump_json(exclude_unset=False)
+        if include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            chunk = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
+            yield chunk.model_dump_json()

@@ -20,7 +20,9 @@ _FENCE = re.compile(r"```(?i:json)?[ \t]*\n?(.*?)\n?```", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ParsedToolCall:
+    """A call read from the model's text; protocol.ToolCall is the API's form of it (with an id)."""
+
     name: str
     arguments: str  # the arguments object as JSON text, as OpenAI sends it
 
@@ -28,7 +30,7 @@ class ToolCall:
 @dataclass
 class ExtractedToolCalls:
     content: str | None  # text outside the calls, stripped; None when empty
-    calls: list[ToolCall]
+    calls: list[ParsedToolCall]
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -49,7 +51,7 @@ def _arguments_json(args: object) -> str | None:
     return json.dumps(args, ensure_ascii=False)
 
 
-def _to_call(obj: object, tool_names: Collection[str] | None) -> ToolCall | None:
+def _to_call(obj: object, tool_names: Collection[str] | None) -> ParsedToolCall | None:
     """A call from a decoded `{"name", "arguments"|"parameters"}` object, None if it is not one."""
     if not isinstance(obj, dict):
         return None
@@ -60,7 +62,7 @@ def _to_call(obj: object, tool_names: Collection[str] | None) -> ToolCall | None
         return None
     args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
     arguments = _arguments_json(args)
-    return None if arguments is None else ToolCall(name, arguments)
+    return None if arguments is None else ParsedToolCall(name, arguments)
 
 
 def _arguments_value(arguments: str) -> object:
@@ -102,7 +104,7 @@ class ToolParser:
         """How many leading chars of a partial text are certainly content, safe to send now."""
         raise NotImplementedError
 
-    def complete_calls(self, text: str) -> list[ToolCall]:
+    def complete_calls(self, text: str) -> list[ParsedToolCall]:
         """The calls already complete in a partial text: always a prefix of the final calls."""
         raise NotImplementedError
 
@@ -110,7 +112,7 @@ class ToolParser:
         """An earlier assistant call as text in this format, for templates without tools."""
         raise NotImplementedError
 
-    def format_calls(self, calls: Sequence[ToolCall]) -> str:
+    def format_calls(self, calls: Sequence[ParsedToolCall]) -> str:
         """Several earlier calls of one assistant message as text in this format."""
         return "\n".join(self.format_call(c.name, c.arguments) for c in calls)
 
@@ -118,7 +120,7 @@ class ToolParser:
         """Text describing the tools and how to call them in this format."""
         raise NotImplementedError
 
-    def _call(self, obj: object) -> ToolCall | None:
+    def _call(self, obj: object) -> ParsedToolCall | None:
         return _to_call(obj, self.tool_names)
 
 
@@ -127,7 +129,7 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
 
-    def _blocks(self, text: str, final: bool) -> list[tuple[int, int, ToolCall]]:
+    def _blocks(self, text: str, final: bool) -> list[tuple[int, int, ParsedToolCall]]:
         """(start, end, call) of each valid block. A block is the opening tag, one JSON value and
         the closing tag (whitespace around the JSON allowed); when `final`, the last block may end
         with the text instead, since models often stop right after the JSON. Anything else is
@@ -173,7 +175,7 @@ class HermesToolParser(ToolParser):
                 return len(text) - n
         return len(text)
 
-    def complete_calls(self, text: str) -> list[ToolCall]:
+    def complete_calls(self, text: str) -> list[ParsedToolCall]:
         if _CLOSE not in text:
             return []
         return [call for _, _, call in self._blocks(text, final=False)]
@@ -200,7 +202,7 @@ class JsonToolParser(ToolParser):
 
     name = "json"
 
-    def _parse(self, text: str) -> list[ToolCall] | None:
+    def _parse(self, text: str) -> list[ParsedToolCall] | None:
         body = text.strip()
         if fence := _FENCE.fullmatch(body):
             body = fence.group(1)
@@ -229,7 +231,7 @@ class JsonToolParser(ToolParser):
             return 0
         return len(text)
 
-    def complete_calls(self, text: str) -> list[ToolCall]:
+    def complete_calls(self, text: str) -> list[ParsedToolCall]:
         tail = text.rstrip()
         # JSON can only be complete once it ends in a closer: skip the parse on every token.
         if not tail or tail[-1] not in "}]`":
@@ -239,7 +241,7 @@ class JsonToolParser(ToolParser):
     def format_call(self, name: str, arguments: str) -> str:
         return _call_json(name, arguments)
 
-    def format_calls(self, calls: Sequence[ToolCall]) -> str:
+    def format_calls(self, calls: Sequence[ParsedToolCall]) -> str:
         if len(calls) == 1:
             return self.format_call(calls[0].name, calls[0].arguments)
         # Several calls must stay one JSON value to parse as this format.
@@ -271,7 +273,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
         raise ValueError(f"unknown tool call parser {name!r}; known parsers: {known}") from None
 
 
-def parse_required_calls(text: str, tool_names: Collection[str] | None) -> list[ToolCall]:
+def parse_required_calls(text: str, tool_names: Collection[str] | None) -> list[ParsedToolCall]:
     """The calls of the complete elements so far of a (possibly partial) JSON array of
     `{"name", "arguments"}` objects, the output of tool_choice "required"."""
     names = None if tool_names is None else frozenset(tool_names)
@@ -304,13 +306,13 @@ class ToolCallStreamer:
         self.parser = parser
         self.text = ""
         self._sent = 0  # chars of `text` already sent as content: always a prefix
-        self._calls: list[ToolCall] = []
+        self._calls: list[ParsedToolCall] = []
 
     @property
-    def calls(self) -> list[ToolCall]:
+    def calls(self) -> list[ParsedToolCall]:
         return list(self._calls)
 
-    def feed(self, delta_text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta_text: str) -> tuple[str, list[ParsedToolCall]]:
         self.text += delta_text
         content = ""
         end = self.parser.content_end(self.text)
@@ -321,7 +323,7 @@ class ToolCallStreamer:
         self._calls.extend(new_calls)
         return content, new_calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
         result = self.parser.extract(self.text)
         new_calls = result.calls[len(self._calls) :]
         self._calls.extend(new_calls)

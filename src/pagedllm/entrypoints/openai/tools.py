@@ -26,12 +26,12 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
+    ParsedToolCall,
     ToolCallStreamer,
     ToolParser,
     get_tool_parser,
     parse_required_calls,
 )
-from pagedllm.entrypoints.openai.tool_parsers import ToolCall as ParsedCall
 from pagedllm.model_loader.chat_template import template_variables
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import json_schema_error, lark_json
@@ -175,7 +175,7 @@ def template_messages(
     for message in messages:
         if message["role"] == "assistant" and message.get("tool_calls"):
             calls = [
-                ParsedCall(c["function"]["name"], _arguments_text(c["function"]["arguments"]))
+                ParsedToolCall(c["function"]["name"], _arguments_text(c["function"]["arguments"]))
                 for c in message["tool_calls"]
             ]
             text = plan.parser.format_calls(calls)
@@ -230,10 +230,10 @@ def _arguments_text(arguments) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def calls_in_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
+def calls_in_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of one finished choice."""
     if plan.mode == "named":
-        return None, [ParsedCall(plan.named, text)]
+        return None, [ParsedToolCall(plan.named, text)]
     if plan.mode == "required":
         return None, parse_required_calls(text, plan.names)
     extracted = plan.parser.extract(text)
@@ -241,7 +241,7 @@ def calls_in_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedC
     return extracted.content, calls
 
 
-def response_tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
+def response_tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
     return [
         ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
@@ -262,7 +262,7 @@ class ToolCallStream:
         if self.plan.mode == "named":  # the arguments stream as they are generated
             if self.num_calls == 0:
                 self.num_calls = 1
-                return None, [self._whole(0, ParsedCall(self.plan.named, delta))]
+                return None, [self._whole(0, ParsedToolCall(self.plan.named, delta))]
             if not delta:
                 return None, []
             return None, [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))]
@@ -279,7 +279,7 @@ class ToolCallStream:
         content, _ = self._streamer.finish()
         return content or None, self._new(self._streamer.calls)
 
-    def _new(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
+    def _new(self, calls: list[ParsedToolCall]) -> list[DeltaToolCall]:
         """Calls not sent yet, each whole (id, name and all its arguments) in one delta."""
         if not self.plan.parallel:
             calls = calls[:1]
@@ -288,7 +288,7 @@ class ToolCallStream:
         return new
 
     @staticmethod
-    def _whole(index: int, call: ParsedCall) -> DeltaToolCall:
+    def _whole(index: int, call: ParsedToolCall) -> DeltaToolCall:
         return DeltaToolCall(
             index=index,
             id=tool_call_id(),

@@ -1,0 +1,65 @@
+"""The server's options: `pagedllm serve` fills a ServerConfig from its flags once (cli.py), and
+build_app / run_server (api_server.py) read it. The defaults are a library's (no stats lines,
+no bound on the queue); the command line's are its flags'."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import MAX_LOGPROBS
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for (each a `serve` flag): beyond it, a 400 (413 for the body)."""
+
+    max_request_body_bytes: int | None = 8 << 20
+    max_n: int = 16  # n, best_of or the beam width: sequences one request runs
+    max_logprobs: int = 20  # logprobs / top_logprobs, and the prompt's with echo
+    max_stop: int = 64  # stop strings, and stop token ids, each
+    max_prompts: int = 128  # prompts in one completions request
+
+    def __post_init__(self) -> None:
+        body = self.max_request_body_bytes
+        if body is not None and body < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {body}")
+        for name, low in (("max_n", 1), ("max_stop", 0), ("max_prompts", 1)):
+            if getattr(self, name) < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= {low}, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit), "
+                f"got {self.max_logprobs}"
+            )
+
+
+@dataclass
+class ServerConfig:
+    """Everything the HTTP server takes besides the engine."""
+
+    served_model_name: str | None = None  # the model's name in the API; None: the engine's
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # With a key, every route but /health needs it (and /metrics unless metrics_need_api_key
+    # is False); None: $PAGEDLLM_API_KEY, if set, when the app is built.
+    api_key: str | None = None
+    metrics_need_api_key: bool = True
+    chat_template: str | None = None  # the template's text; None: the tokenizer's
+    log_stats_interval: float | None = None  # seconds between stats log lines; None: no lines
+    max_waiting_requests: int | None = None  # a request that would queue more gets a 503
+    # On Ctrl-C / SIGTERM, seconds running requests get to finish before the engine stops
+    graceful_shutdown_timeout: float = 5.0
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    log_requests: bool = False  # log each request's prompts and parameters (off: never)
+    # tool_choice "auto" allowed, its calls read by the tool_call_parser (hermes or json)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    enable_dashboard: bool = True  # the live KV-cache dashboard (/dashboard, /debug/kv)
+
+    def named(self, default: str) -> ServerConfig:
+        """This config with its served_model_name filled in (`default`: the engine's name)."""
+        if self.served_model_name is not None:
+            return self
+        return dataclasses.replace(self, served_model_name=default)
