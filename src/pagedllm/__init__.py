@@ -9,6 +9,7 @@ from pagedllm.outputs import (
     RequestOutput,
 )
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.version import __version__  # noqa: F401 - pagedllm.__version__
 
 init_logger()
 
@@ -24,7 +25,6 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
 ]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

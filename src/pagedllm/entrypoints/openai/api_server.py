@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedllm
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
@@ -40,6 +39,7 @@ from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.tools import offered_tools
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -143,7 +143,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     history = dashboard.add_dashboard(app, async_engine) if config.enable_dashboard else None
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
@@ -213,7 +213,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": pagedllm.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics():
