@@ -65,7 +65,8 @@ class LLMEngine:
         kv_cache_manager: KVCacheManagerFactory = make_kv_cache_manager,
     ) -> None:
         """`executor`: another engine's, whose loaded model this one runs with its own cache
-        settings (the models must agree); `kv_cache_manager`: how the block manager is made."""
+        settings (the models must agree; the other engine steps no more); `kv_cache_manager`:
+        how the block manager is made."""
         self.args = args
         self.config = config = create_engine_config(args)
         self.tokenizer = load_model_tokenizer(args.model, args.tokenizer)
@@ -76,6 +77,7 @@ class LLMEngine:
         else:
             executor.initialize_cache(config.cache, config.scheduler)
         self.executor = executor
+        executor.owner = self  # an engine whose executor another took over must not step
         try:
             spec, num_blocks = executor.kv_cache_spec, executor.num_gpu_blocks
             manager = kv_cache_manager(config, num_blocks, executor.num_cpu_blocks,
@@ -148,7 +150,10 @@ class LLMEngine:
         return TORCH_DTYPES[self.config.model.dtype]
 
     def check_workers(self) -> None:
-        """Raise if a tensor-parallel worker has exited: the engine cannot step without it."""
+        """Raise if a tensor-parallel worker has exited (the engine cannot step without it), or
+        if another engine took this one's executor over."""
+        if self.executor.owner is not self:
+            raise RuntimeError("another engine took this engine's executor over: it cannot step")
         self.executor.check_health()
 
     def shutdown(self) -> None:

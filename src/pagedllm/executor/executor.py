@@ -14,6 +14,7 @@ class Executor:
     """Built with the model loaded and the KV cache sized and allocated on every rank."""
 
     driver_worker: Worker  # rank 0, in this process: it samples
+    owner: object = None  # the engine whose KV cache the workers hold now
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
