@@ -89,7 +89,7 @@ class Request:
         self.output_logprobs: list[Any] = []
         # Prefix caching: mixed into the first block's hash, so only requests with the same salt
         # share cached blocks; and the hashes of the full blocks so far, extended as tokens grow
-        # (by kv_cache_manager.update_block_hashes).
+        # (by core.block_hash.update_block_hashes).
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         # Structured outputs: this sequence's grammar state (a structured_output.Grammar), which
