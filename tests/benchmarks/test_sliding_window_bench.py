@@ -4,7 +4,7 @@ run holds fewer blocks at its peak than the kept one, with the same tokens."""
 import pytest
 import torch
 
-from pagedllm.benchmarks import sliding_window
+from benchmarks import sliding_window
 from pagedllm.config import EngineArgs
 
 transformers = pytest.importorskip("transformers")

@@ -21,8 +21,9 @@ import numpy as np
 import openai
 import pytest
 
+from benchmarks.soak import leak_report, rss_bytes, serve_in_thread
 from pagedllm import EngineArgs
-from pagedllm.benchmarks.soak import free_port, leak_report, rss_bytes, serve_in_thread
+from pagedllm.bench.utils import free_port
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
