@@ -1,7 +1,7 @@
 """`python -m benchmarks.block_size`: normalized latency of the paged engine by block size (the
 PagedAttention paper's Fig. 18a).
 
-The requests, arrivals and virtual clock are `bench load`'s (load.py), on the paged policy, at one
+The requests, arrivals and virtual clock are load.py's, on the paged policy, at one
 request rate per workload. Each block size gets its own KV pool of the same bytes (the pool's
 shape depends on the block size), block manager and scheduler; the model is loaded once. Small
 blocks cost more block-table work per token; large ones waste the tail of each request's last

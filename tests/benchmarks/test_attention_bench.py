@@ -1,4 +1,4 @@
-"""`pagedllm bench attention` runs each backend and reports one row per context length."""
+"""`python -m benchmarks.attention` runs each backend and reports one row per context length."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""`pagedllm bench block-size` on a tiny random Llama: one KV pool size, rebuilt per block size."""
+"""`benchmarks.block_size` on a tiny random Llama: one KV pool size, rebuilt per block size."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""`pagedllm bench dashboard` runs its three batches and checks that snapshots change nothing."""
+"""`benchmarks.dashboard` runs its three batches and checks that snapshots change nothing."""
 
 import pytest
 

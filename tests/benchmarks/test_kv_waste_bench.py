@@ -1,4 +1,4 @@
-"""`pagedllm bench kv-waste`: a short run through the CLI; the report parses and the figure
+"""`python -m benchmarks.kv_waste`: a short run through the CLI; the report parses and the figure
 is a PNG."""
 
 import json

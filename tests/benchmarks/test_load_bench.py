@@ -1,4 +1,4 @@
-"""`pagedllm bench load` on a tiny random Llama: the virtual-clock driver and a smoke run."""
+"""`python -m benchmarks.load` on a tiny random Llama: the virtual-clock driver and a smoke run."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""`pagedllm bench peers`: flags, the pagedllm serve flags it rebuilds, the report, and short
+"""`python -m benchmarks.peers`: flags, the pagedllm serve flags it rebuilds, the report, and short
 smoke runs on a tiny random GGUF (pagedllm's HTTP server and HF static batching; llama.cpp's
 llama-server only where its binary has been built: CI cannot build it in time)."""
 

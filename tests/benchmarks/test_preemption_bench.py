@@ -1,4 +1,4 @@
-"""`pagedllm bench preemption`: the pool arithmetic, the recovery measurement (swap round trips
+"""`benchmarks.preemption`: the pool arithmetic, the recovery measurement (swap round trips
 and recompute on the runner), and both parts of the command on a tiny random model."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`pagedllm bench prefix-caching`: the shared-prefix workload, the arrivals, the reporting, and
+"""`benchmarks.prefix_caching`: the shared-prefix workload, the arrivals, the reporting, and
 the whole command (caching off, then on) on a tiny random model."""
 
 from __future__ import annotations

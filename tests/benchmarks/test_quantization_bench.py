@@ -1,4 +1,4 @@
-"""`pagedllm bench quantization`: configuration parsing, accuracy arithmetic, and the whole
+"""`python -m benchmarks.quantization`: configuration parsing, accuracy arithmetic, and the whole
 command on a tiny random model (structure only, never timings)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`pagedllm bench sharing`: the memory-saving arithmetic, the Alpaca-shaped workload, and runs of
+"""`benchmarks.sharing`: the memory-saving arithmetic, the Alpaca-shaped workload, and runs of
 parallel sampling and beam search on a tiny random model."""
 
 from __future__ import annotations

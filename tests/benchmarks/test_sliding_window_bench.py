@@ -1,4 +1,4 @@
-"""`pagedllm bench sliding-window` on a tiny Qwen2 with full and sliding layers: the released
+"""`python -m benchmarks.sliding_window` on a tiny Qwen2 with full and sliding layers: the released
 run holds fewer blocks at its peak than the kept one, with the same tokens."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""`pagedllm bench soak` on a tiny random GGUF model: a short run reports zero failures and no
+"""`python -m benchmarks.soak` on a tiny random GGUF model: a short run reports zero failures and no
 leaked block; a leak the engine is made to keep is reported and fails the command."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`pagedllm bench step` and the MFU arithmetic (roofline.py): FLOPs per token against a loaded
+"""`benchmarks.step` and the MFU arithmetic (roofline.py): FLOPs per token against a loaded
 model's parameters, the GEMM peak, and the whole command on a tiny random model (structure and
 arithmetic only, never timings)."""
 

@@ -1,4 +1,4 @@
-"""`pagedllm bench structured` runs its three batches and checks the unconstrained half."""
+"""`python -m benchmarks.structured` runs its three batches and checks the unconstrained half."""
 
 import pytest
 

@@ -1,7 +1,7 @@
 """Load and faults through a real HTTP server on loopback, on a tiny random GGUF model (fast):
 many concurrent clients, a storm of client disconnects, a KV pool far smaller than the demand,
 and SIGTERM with streams open. The server runs in this process (uvicorn on a thread, as
-`pagedllm bench soak` does) so that, once idle, the engine itself is checked: pool and
+`python -m benchmarks.soak` does) so that, once idle, the engine itself is checked: pool and
 scheduler integrity, no block held, no request left. The SIGTERM test runs `pagedllm serve` as
 a subprocess. The figures these tests measured are in docs/reliability.md."""
 
