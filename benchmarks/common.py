@@ -1,7 +1,7 @@
 """What the experiments share: their command line (`python -m benchmarks.<name>` takes every
-engine flag, as the `pagedllm` commands do, plus its own), list-valued flags and the workload flags
-of `load` and `block_size`. Timing, CPU counters, figures, tables and
-reports are pagedllm.bench.utils', shared with the package's own benchmarks."""
+engine flag, as the `pagedllm` commands do, plus its own), list-valued flag types, and the
+workload flags of `load` and `block_size`. Timing, CPU counters, figures, tables, JSON reports
+and free ports are pagedllm.bench.utils', shared with the package's own benchmarks."""
 
 from __future__ import annotations
 

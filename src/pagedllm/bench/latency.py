@@ -109,7 +109,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         f"requests, {ns.input_len} prompt tokens and {ns.output_len} output tokens each; "
         f"torch threads: {torch.get_num_threads()}"
     )
-    print(f"warming up: {ns.num_iters_warmup} iterations")
+    print(f"warm-up: {ns.num_iters_warmup} untimed iteration(s)")
     for _ in range(ns.num_iters_warmup):
         run_batch(engine, prompts, ns.output_len)
     latencies = []
