@@ -48,15 +48,16 @@ test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: setup
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 48 --baseline hf
 
 # Thousands of streams through an in-process server, then the leak checks (failed requests,
 # blocks still held, pool integrity, resident memory at start and end); exits 1 on a failure
-# or a leak. SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts).
+# or a leak. SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts). An experiment of
+# the checkout's benchmarks/, run from its root.
 soak: setup
-	$(VENV)/bin/pagedllm bench soak --num-prompts 2000 --max-concurrency 64 \
+	$(PY) -m benchmarks.soak --num-prompts 2000 --max-concurrency 64 \
 		--kv-cache-memory 256MiB --max-model-len 2048 $(SOAK_ARGS)

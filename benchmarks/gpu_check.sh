@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The Triton backend's checks on an NVIDIA GPU, in one run. Installs nothing: it needs a Python
 # with torch (CUDA), triton, pytest, transformers and pagedllm's dependencies (pyproject.toml),
-# and runs pagedllm from this checkout (PYTHONPATH=src).
+# and runs pagedllm and benchmarks/ from this checkout (PYTHONPATH=src:.).
 #   1. the Triton kernel and engine tests on CUDA (the same tests CI runs under the interpreter)
-#   2. `pagedllm bench attention`: the decode kernel's bandwidth against a device-to-device copy
-#      timed in the same run (issue 11's goal: 70% or more), default-model shapes
+#   2. `python -m benchmarks.attention`: the decode kernel's bandwidth against a device-to-device
+#      copy timed in the same run (issue 11's goal: 70% or more), default-model shapes
 #   3. `pagedllm bench throughput` on the default model (when its GGUF is installed)
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]; logs and the card's name go to OUT_DIR.
 set -uo pipefail
@@ -29,10 +29,10 @@ $py -m pytest -q -p no:cacheprovider tests/attention/test_triton_attention.py \
 
 echo "== decode attention bandwidth"
 for bs in 16 32; do
-    $py -m pagedllm.entrypoints.cli bench attention --backend triton --device cuda \
+    $py -m benchmarks.attention --backend triton --device cuda \
         --dtype bfloat16 --num-seqs 64 --context-lens 512,2048,8192 --block-size $bs \
         2>&1 | tee -a "$out/attention.txt" || status=1
-    $py -m pagedllm.entrypoints.cli bench attention --backend triton --device cuda \
+    $py -m benchmarks.attention --backend triton --device cuda \
         --dtype bfloat16 --num-seqs 256 --num-heads 32 --num-kv-heads 8 --head-dim 128 \
         --context-lens 1024,4096 --block-size $bs 2>&1 | tee -a "$out/attention.txt" || status=1
 done

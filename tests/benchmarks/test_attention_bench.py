@@ -1,13 +1,17 @@
-"""`pagedllm bench attention` runs each backend and reports one row per context length."""
+"""`python -m benchmarks.attention` runs each backend and reports one row per context length."""
 
 import pytest
 
-from pagedllm.entrypoints.cli import main
+from benchmarks import attention, common
+
+
+def run_attention(argv):  # python -m benchmarks.attention ...argv
+    return common.run(attention.add_cli_args, attention.main, argv, engine=False)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])  # triton: under the interpreter on CPU
 def test_bench_attention_reports_bandwidth_per_context(backend, capsys):
-    rc = main(["bench", "attention", "--backend", backend, "--num-seqs", "2",
+    rc = run_attention(["--backend", backend, "--num-seqs", "2",
                "--context-lens", "17,64", "--iters", "2", "--dtype", "float32"])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out

@@ -1,20 +1,24 @@
-"""`pagedllm bench block-size` on a tiny random Llama: one KV pool size, rebuilt per block size."""
+"""`benchmarks.block_size` on a tiny random Llama: one KV pool size, rebuilt per block size."""
 
 import json
 
 import pytest
 
-from pagedllm.entrypoints.cli import main as cli_main
+from benchmarks import block_size, common
 from tests.conftest import save_tiny_llama
 
 pytest.importorskip("transformers")
 
 
+def run_block_size(argv):  # python -m benchmarks.block_size ...argv
+    return common.run(block_size.add_cli_args, block_size.main, argv)
+
+
 def test_block_size_smoke(tmp_path, capsys):
     save_tiny_llama(tmp_path / "model")
     out_json, png = tmp_path / "bs.json", tmp_path / "bs.png"
-    rc = cli_main([
-        "bench", "block-size", "--model", str(tmp_path / "model"), "--dtype", "float32",
+    rc = run_block_size([
+        "--model", str(tmp_path / "model"), "--dtype", "float32",
         "--max-model-len", "128",
         "--kv-cache-memory", "128KiB", "--max-num-seqs", "8", "--num-prompts", "8",
         "--block-sizes", "1,4,32", "--sharegpt-rate", "50", "--alpaca-rate", "100",

@@ -1,14 +1,18 @@
-"""`pagedllm bench dashboard` runs its three batches and checks that snapshots change nothing."""
+"""`benchmarks.dashboard` runs its three batches and checks that snapshots change nothing."""
 
 import pytest
 
-from pagedllm.entrypoints.cli import main
+from benchmarks import common, dashboard
 
 pytestmark = pytest.mark.slow
 
 
+def run_dashboard(argv):  # python -m benchmarks.dashboard ...argv
+    return common.run(dashboard.add_cli_args, dashboard.main, argv)
+
+
 def test_bench_dashboard_reports_each_run(capsys):
-    rc = main(["bench", "dashboard", "--num-seqs", "3", "--output-len", "6",
+    rc = run_dashboard(["--num-seqs", "3", "--output-len", "6",
                "--kv-cache-memory", "64MiB", "--max-model-len", "512"])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out

@@ -1,18 +1,22 @@
-"""`pagedllm bench kv-waste`: a short run through the CLI; the report parses and the figure
+"""`python -m benchmarks.kv_waste`: a short run through the CLI; the report parses and the figure
 is a PNG."""
 
 import json
 
 import pytest
 
-from pagedllm.entrypoints.cli import main
+from benchmarks import common, kv_waste
+
+
+def run_kv_waste(argv):  # python -m benchmarks.kv_waste ...argv
+    return common.run(kv_waste.add_cli_args, kv_waste.main, argv, engine=False)
 
 
 def test_kv_waste_report_and_figure(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out_json, png = tmp_path / "kv.json", tmp_path / "kv.png"
-    code = main([
-        "bench", "kv-waste", "--num-prompts", "40", "--scale", "0.25", "--num-kv-slots", "2048",
+    code = run_kv_waste([
+        "--num-prompts", "40", "--scale", "0.25", "--num-kv-slots", "2048",
         "--max-model-len", "512", "--output-json", str(out_json), "--plot", str(png),
     ])  # fmt: skip
     assert code == 0
@@ -29,5 +33,5 @@ def test_kv_waste_report_and_figure(tmp_path, capsys):
 
 
 def test_unknown_policy_is_a_clear_error(capsys):
-    assert main(["bench", "kv-waste", "--policies", "paged,nope"]) == 2
+    assert run_kv_waste(["--policies", "paged,nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err

@@ -1,17 +1,20 @@
-"""`pagedllm bench load` on a tiny random Llama: the virtual-clock driver and a smoke run."""
+"""`python -m benchmarks.load` on a tiny random Llama: the virtual-clock driver and a smoke run."""
 
 import json
 
 import pytest
 
-from pagedllm.benchmarks import load
+from benchmarks import common, load
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import main as cli_main
 from tests.conftest import save_tiny_llama
 
 pytest.importorskip("transformers")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_load(argv):  # python -m benchmarks.load ...argv
+    return common.run(load.add_cli_args, load.main, argv)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,8 @@ def test_virtual_clock_batches_simultaneous_arrivals(tiny_path):
 
 def test_load_smoke(tiny_path, tmp_path, capsys):
     out_json, png = tmp_path / "load.json", tmp_path / "load.png"
-    rc = cli_main([
-        "bench", "load", "--model", tiny_path, "--dtype", "float32", "--max-model-len", "128",
+    rc = run_load([
+        "--model", tiny_path, "--dtype", "float32", "--max-model-len", "128",
         "--kv-cache-memory", "64KiB", "--max-num-seqs", "6", "--num-prompts", "10",
         "--policies", "paged", "--sharegpt-rates", "20,200", "--alpaca-rates", "100",
         "--sharegpt-scale", "0.1", "--alpaca-scale", "0.5",
@@ -105,15 +108,13 @@ def test_load_smoke(tiny_path, tmp_path, capsys):
 
 
 def test_bad_policy_is_refused(tiny_path, capsys):
-    rc = cli_main(
-        ["bench", "load", "--model", tiny_path, "--dtype", "float32", "--policies", "paged,best"]
-    )
+    rc = run_load(["--model", tiny_path, "--dtype", "float32", "--policies", "paged,best"])
     assert rc == 2
     assert "--policies" in capsys.readouterr().err
 
 
 def test_max_reservations_batch_fewer_requests_than_paging(tiny_path):
-    from pagedllm.benchmarks.workload import sharegpt_like_workload
+    from pagedllm.bench.workload import sharegpt_like_workload
     from pagedllm.engine.llm_engine import LLMEngine
 
     # 512 slots: 4 reservations of max_model_len 128, or many short paged requests.

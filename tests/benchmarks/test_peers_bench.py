@@ -1,4 +1,4 @@
-"""`pagedllm bench peers`: flags, the pagedllm serve flags it rebuilds, the report, and short
+"""`python -m benchmarks.peers`: flags, the pagedllm serve flags it rebuilds, the report, and short
 smoke runs on a tiny random GGUF (pagedllm's HTTP server and HF static batching; llama.cpp's
 llama-server only where its binary has been built: CI cannot build it in time)."""
 
@@ -10,11 +10,14 @@ import os
 
 import pytest
 
-from pagedllm.benchmarks import peers
+from benchmarks import common, peer_servers, peers
 from pagedllm.config import EngineArgs
 from pagedllm.cpu_info import has_native_bf16
-from pagedllm.entrypoints.cli import main
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
+
+
+def run_peers(argv):  # python -m benchmarks.peers ...argv
+    return common.run(peers.add_cli_args, peers.main, argv)
 
 
 def _parse(argv):
@@ -57,21 +60,21 @@ def test_to_cli_args_rebuilds_the_serve_flags():
 
 def test_pagedllm_dtype_from_the_log_line():
     args = EngineArgs()
-    assert peers._pagedllm_dtype(args, "3.4 MiB (float32)") == "float32"
+    assert peer_servers._pagedllm_dtype(args, "3.4 MiB (float32)") == "float32"
     line = "60.1 MiB with int8 projections (257.9 MiB all in bfloat16); kept in bfloat16: lm_head"
-    assert peers._pagedllm_dtype(EngineArgs(quantization="int8"), line) == (
+    assert peer_servers._pagedllm_dtype(EngineArgs(quantization="int8"), line) == (
         "bfloat16 (+ int8 projections)"
     )
     # No log line: what --dtype auto picks on this machine.
     want = "bfloat16" if has_native_bf16() else "float32"
-    assert peers._pagedllm_dtype(EngineArgs(quantization="int4"), None) == want
+    assert peer_servers._pagedllm_dtype(EngineArgs(quantization="int4"), None) == want
 
 
 def test_gguf_file_type(tmp_path):
     from pagedllm.model_loader.loader import resolve_model
 
-    assert peers.gguf_file_type(resolve_model(None)) == "Q4_1"  # the packaged default model
-    assert peers.gguf_file_type(tmp_path / "none.gguf") is None
+    assert peer_servers.gguf_file_type(resolve_model(None)) == "Q4_1"  # the packaged default model
+    assert peer_servers.gguf_file_type(tmp_path / "none.gguf") is None
 
 
 def test_missing_llama_server(tmp_path, monkeypatch, capsys):
@@ -121,8 +124,8 @@ def tiny_gguf(tmp_path_factory):
 
 
 def _run(model, out, *extra):
-    return main(
-        ["bench", "peers", "--model", model, "--kv-cache-memory", "16MiB", "--num-prompts", "3",
+    return run_peers(
+        ["--model", model, "--kv-cache-memory", "16MiB", "--num-prompts", "3",
          "--scale", "0.05", "--concurrency", "1,2", "--decode-output-len", "4",
          "--output-json", str(out), *extra]
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""`pagedllm bench preemption`: the pool arithmetic, the recovery measurement (swap round trips
+"""`benchmarks.preemption`: the pool arithmetic, the recovery measurement (swap round trips
 and recompute on the runner), and both parts of the command on a tiny random model."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from pagedllm.benchmarks import preemption
-from pagedllm.benchmarks.preemption import (
+from benchmarks import common, preemption
+from benchmarks.preemption import (
     compare_outputs,
     fitting_max_model_len,
     format_throughput_table,
@@ -20,7 +20,6 @@ from pagedllm.benchmarks.preemption import (
     request_blocks,
 )
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import build_parser
 
 
 def _parse(argv):
@@ -36,13 +35,12 @@ def test_cli_defaults_and_registration():
     assert ns.context_lens == [256, 1024] and ns.repeats == 5 and ns.swap_repeats == 20
     assert ns.num_prompts == 32 and ns.scale == 0.25 and ns.workload_seed == 0
     assert ns.pool_fractions == [1.0, 0.5, 0.25, 0.1] and ns.modes == ["recompute", "swap"]
-    ns = build_parser().parse_args(
-        ["bench", "preemption", "--part", "recovery", "--block-sizes", "1,4", "--context-len",
+    ns = common.build_parser(preemption.add_cli_args).parse_args(
+        ["--part", "recovery", "--block-sizes", "1,4", "--context-len",
          "32", "--modes", "swap", "--pool-fractions", "1,0.3", "--block-size", "8"]
     )  # fmt: skip
     assert ns.part == "recovery" and ns.block_sizes == [1, 4] and ns.context_lens == [32]
     assert ns.modes == ["swap"] and ns.pool_fractions == [1.0, 0.3] and ns.block_size == 8
-    assert ns.func is not None
     for bad in (["--block-sizes", "0"], ["--pool-fractions", "0"], ["--pool-fractions", "1.5"],
                 ["--modes", "evict"], ["--part", "both"], ["--context-len", "x"]):  # fmt: skip
         with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""`pagedllm bench prefix-caching`: the shared-prefix workload, the arrivals, the reporting, and
+"""`benchmarks.prefix_caching`: the shared-prefix workload, the arrivals, the reporting, and
 the whole command (caching off, then on) on a tiny random model."""
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ import time
 import numpy as np
 import pytest
 
-from pagedllm.benchmarks import prefix_caching
-from pagedllm.benchmarks.prefix_caching import (
-    outputs_identical_share,
+from benchmarks import common, prefix_caching
+from benchmarks.prefix_caching import outputs_identical_share
+from benchmarks.prefix_workload import (
     poisson_arrivals,
     shared_prefix_workload,
     short_length_distribution,
 )
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import build_parser
 
 VOCAB = 1000
 SPECIAL = range(17)
@@ -35,10 +34,8 @@ def test_cli_defaults_and_registration():
     ns = _parse([])
     assert (ns.num_prompts, ns.prefix_len, ns.suffix_len, ns.output_len) == (64, 341, 25.0, 25.0)
     assert math.isinf(ns.request_rate) and ns.workload_seed == 0 and ns.output_json is None
-    ns = build_parser().parse_args(
+    ns = common.build_parser(prefix_caching.add_cli_args).parse_args(
         [
-            "bench",
-            "prefix-caching",
             "--prefix-len",
             "80",
             "--request-rate",
@@ -48,7 +45,6 @@ def test_cli_defaults_and_registration():
         ]
     )
     assert (ns.prefix_len, ns.request_rate, ns.block_size) == (80, 4.0, 8)
-    assert ns.func is not None
 
 
 def test_workload_is_seeded_and_shares_exactly_the_prefix():

@@ -1,4 +1,4 @@
-"""`pagedllm bench quantization`: configuration parsing, accuracy arithmetic, and the whole
+"""`python -m benchmarks.quantization`: configuration parsing, accuracy arithmetic, and the whole
 command on a tiny random model (structure only, never timings)."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ import json
 
 import pytest
 
-from pagedllm.benchmarks import quantization
-from pagedllm.benchmarks.quantization import accuracy, parse_configs
+from benchmarks import common, quantization
+from benchmarks.quantization import accuracy, parse_configs
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import build_parser
 
 
 def _parse(argv):
@@ -25,11 +24,10 @@ def test_cli_defaults_and_registration():
     assert (ns.configs, ns.num_prompts, ns.output_len, ns.batch_size) == (
         "float32,bfloat16,int8,int4", 16, 64, 32,
     )  # fmt: skip
-    ns = build_parser().parse_args(
-        ["bench", "quantization", "--num-prompts", "2", "--output-len", "3", "-q", "int8"]
+    ns = common.build_parser(quantization.add_cli_args).parse_args(
+        ["--num-prompts", "2", "--output-len", "3", "-q", "int8"]
     )
     assert ns.num_prompts == 2 and ns.output_len == 3 and ns.quantization == "int8"
-    assert ns.func is not None
 
 
 def test_parse_configs():

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from pagedllm.benchmarks.serve import _send
+from pagedllm.bench.serve import _send
 
 SSE = (
     b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\n'

@@ -1,4 +1,4 @@
-"""`pagedllm bench sharing`: the memory-saving arithmetic, the Alpaca-shaped workload, and runs of
+"""`benchmarks.sharing`: the memory-saving arithmetic, the Alpaca-shaped workload, and runs of
 parallel sampling and beam search on a tiny random model."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from pagedllm.benchmarks import sharing
-from pagedllm.benchmarks.sharing import SharingTracker, format_table, run_sharing
-from pagedllm.benchmarks.workload import (
+from benchmarks import common, sharing
+from benchmarks.sharing import SharingTracker, format_table, run_sharing
+from pagedllm.bench.workload import (
     ALPACA_MEAN_INPUT_LEN,
     ALPACA_MEAN_OUTPUT_LEN,
     MIN_LEN,
@@ -21,7 +21,6 @@ from pagedllm.benchmarks.workload import (
     workload_from_tokenizer,
 )
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import build_parser
 
 VOCAB = 1000
 SPECIAL = range(17)
@@ -39,12 +38,12 @@ def test_cli_defaults_and_registration():
     assert ns.num_prompts == 16 and ns.scale == 0.25 and ns.workload_seed == 0
     assert ns.workloads == ["alpaca", "sharegpt"]
     assert ns.parallel_n == [2, 4, 6] and ns.beam_widths == [2, 4, 6]
-    ns = build_parser().parse_args(
-        ["bench", "sharing", "--workloads", "alpaca", "--parallel-n", "3", "--beam-widths", "",
+    ns = common.build_parser(sharing.add_cli_args).parse_args(
+        ["--workloads", "alpaca", "--parallel-n", "3", "--beam-widths", "",
          "--block-size", "8"]
     )  # fmt: skip
     assert ns.workloads == ["alpaca"] and ns.parallel_n == [3] and ns.beam_widths == []
-    assert ns.block_size == 8 and ns.func is not None
+    assert ns.block_size == 8
     for bad in (["--parallel-n", "2,x"], ["--beam-widths", "0"], ["--workloads", "wmt"]):
         with pytest.raises(SystemExit):
             _parse(bad)

@@ -1,10 +1,10 @@
-"""`pagedllm bench sliding-window` on a tiny Qwen2 with full and sliding layers: the released
+"""`python -m benchmarks.sliding_window` on a tiny Qwen2 with full and sliding layers: the released
 run holds fewer blocks at its peak than the kept one, with the same tokens."""
 
 import pytest
 import torch
 
-from pagedllm.benchmarks import sliding_window
+from benchmarks import sliding_window
 from pagedllm.config import EngineArgs
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""`pagedllm bench soak` on a tiny random GGUF model: a short run reports zero failures and no
+"""`python -m benchmarks.soak` on a tiny random GGUF model: a short run reports zero failures and no
 leaked block; a leak the engine is made to keep is reported and fails the command."""
 
 from __future__ import annotations
@@ -7,8 +7,12 @@ import json
 
 import pytest
 
-from pagedllm.entrypoints.cli import main
+from benchmarks import common, soak
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
+
+
+def run_soak(argv):  # python -m benchmarks.soak ...argv
+    return common.run(soak.add_cli_args, soak.main, argv)
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +22,8 @@ def tiny_gguf(tmp_path_factory):
 
 
 def _soak(tiny_gguf, out, *extra):
-    return main(
-        ["bench", "soak", "--model", tiny_gguf, "--kv-cache-memory", "16MiB",
+    return run_soak(
+        ["--model", tiny_gguf, "--kv-cache-memory", "16MiB",
          "--num-prompts", "40", "--warmup-prompts", "8", "--max-concurrency", "16",
          "--result-json", str(out), *extra]
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""`pagedllm bench step` and the MFU arithmetic (roofline.py): FLOPs per token against a loaded
+"""`benchmarks.step` and the MFU arithmetic (roofline.py): FLOPs per token against a loaded
 model's parameters, the GEMM peak, and the whole command on a tiny random model (structure and
 arithmetic only, never timings)."""
 
@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from pagedllm.benchmarks import roofline, step
+from benchmarks import common, step
+from pagedllm.bench import roofline
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import build_parser
 
 
 def _parse(argv):
@@ -25,8 +25,8 @@ def test_cli_defaults_and_registration():
     ns = _parse([])
     assert (ns.num_running, ns.prompt_len, ns.num_steps, ns.prefill_len, ns.schedule_running,
             ns.profile, ns.output_json) == (64, 128, 20, 512, 256, False, None)  # fmt: skip
-    ns = build_parser().parse_args(["bench", "step", "--num-running", "8", "--seed", "3"])
-    assert ns.num_running == 8 and ns.seed == 3 and ns.func is not None
+    ns = common.build_parser(step.add_cli_args).parse_args(["--num-running", "8", "--seed", "3"])
+    assert ns.num_running == 8 and ns.seed == 3
 
 
 def _tiny_config(**overrides):

@@ -1,14 +1,18 @@
-"""`pagedllm bench structured` runs its three batches and checks the unconstrained half."""
+"""`python -m benchmarks.structured` runs its three batches and checks the unconstrained half."""
 
 import pytest
 
-from pagedllm.entrypoints.cli import main
+from benchmarks import common, structured
 
 pytestmark = pytest.mark.slow
 
 
+def run_structured(argv):  # python -m benchmarks.structured ...argv
+    return common.run(structured.add_cli_args, structured.main, argv)
+
+
 def test_bench_structured_reports_each_run(capsys):
-    rc = main(["bench", "structured", "--num-seqs", "4", "--output-len", "8",
+    rc = run_structured(["--num-seqs", "4", "--output-len", "8",
                "--kv-cache-memory", "128MiB", "--max-model-len", "512"])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from pagedllm.benchmarks import throughput
-from pagedllm.benchmarks.throughput import KVUsageTracker, format_table, greedy_agreement
+from pagedllm.bench import hf_baseline, throughput, utils
+from pagedllm.bench.throughput import KVUsageTracker, format_table
+from pagedllm.bench.utils import greedy_agreement
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -114,14 +115,14 @@ def test_format_table_has_both_systems_and_the_ratio():
 
 
 def test_resolve_hf_source(tmp_path):
-    directory, gguf_file = throughput.resolve_hf_source(None)  # the packaged default model
+    directory, gguf_file = hf_baseline.resolve_hf_source(None)  # the packaged default model
     assert gguf_file.endswith(".gguf") and (directory / gguf_file).is_file()
     (tmp_path / "config.json").write_text("{}")
-    assert throughput.resolve_hf_source(str(tmp_path)) == (tmp_path, None)
+    assert hf_baseline.resolve_hf_source(str(tmp_path)) == (tmp_path, None)
     other = tmp_path / "weights.bin"
     other.write_bytes(b"")
     with pytest.raises(ValueError, match="HF baseline"):
-        throughput.resolve_hf_source(str(other))
+        hf_baseline.resolve_hf_source(str(other))
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_hf_baseline_counts_useful_tokens_and_pads_left(tiny_llama):
 
     _, model = tiny_llama
     requests = [([5, 9, 3], 4), ([17, 4, 88, 23, 6], 9), ([100], 2)]
-    result = throughput.run_hf(model, requests, batch_size=2)
+    result = hf_baseline.run_hf(model, requests, batch_size=2)
     assert result["num_batches"] == 2
     assert result["num_useful_output_tokens"] == 15
     assert result["num_output_tokens"] == 2 * 9 + 1 * 2  # every row runs to its batch's longest
@@ -192,9 +193,9 @@ def test_mean_context_len():
 
 
 def test_others_cpu_share(monkeypatch):
-    monkeypatch.setattr(throughput.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(utils.os, "cpu_count", lambda: 2)
     # 10 s of wall time on 2 cores = 20 CPU s; the machine was busy 16 s, 12 s of it ours.
-    assert throughput.others_cpu_share((100.0, 5.0, 0.0), (116.0, 17.0, 10.0)) == pytest.approx(0.2)
-    assert throughput.others_cpu_share(None, (1.0, 1.0, 1.0)) is None
-    counters = throughput.cpu_counters()
+    assert utils.others_cpu_share((100.0, 5.0, 0.0), (116.0, 17.0, 10.0)) == pytest.approx(0.2)
+    assert utils.others_cpu_share(None, (1.0, 1.0, 1.0)) is None
+    counters = utils.cpu_counters()
     assert counters is None or len(counters) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedllm.benchmarks.workload import (
+from pagedllm.bench.workload import (
     MIN_LEN,
     SHAREGPT_MEAN_INPUT_LEN,
     SHAREGPT_MEAN_OUTPUT_LEN,

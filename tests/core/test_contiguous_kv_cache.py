@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from pagedllm.benchmarks.kv_waste import CLASSES, KVSlotBreakdown, simulate
-from pagedllm.benchmarks.workload import sharegpt_like_workload
+from benchmarks.kv_waste import CLASSES, KVSlotBreakdown, simulate
+from pagedllm.bench.workload import sharegpt_like_workload
 from pagedllm.core.contiguous_kv_cache_manager import (
     BuddyAllocator,
     ContiguousKVCacheManager,

@@ -8,13 +8,13 @@ import gc
 import pytest
 import torch
 
-from pagedllm import LLM
-from pagedllm.benchmarks.quantization import (
+from benchmarks.quantization import (
     PROMPTS,
     _greedy,
     accuracy,
     continuation_logprobs,
 )
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.arg_utils import auto_dtype
 from pagedllm.layers.quantization import Int4Linear, Int8Linear

@@ -1,7 +1,7 @@
 """Load and faults through a real HTTP server on loopback, on a tiny random GGUF model (fast):
 many concurrent clients, a storm of client disconnects, a KV pool far smaller than the demand,
 and SIGTERM with streams open. The server runs in this process (uvicorn on a thread, as
-`pagedllm bench soak` does) so that, once idle, the engine itself is checked: pool and
+`python -m benchmarks.soak` does) so that, once idle, the engine itself is checked: pool and
 scheduler integrity, no block held, no request left. The SIGTERM test runs `pagedllm serve` as
 a subprocess. The figures these tests measured are in docs/reliability.md."""
 
@@ -21,8 +21,9 @@ import numpy as np
 import openai
 import pytest
 
+from benchmarks.soak import leak_report, rss_bytes, serve_in_thread
 from pagedllm import EngineArgs
-from pagedllm.benchmarks.soak import free_port, leak_report, rss_bytes, serve_in_thread
+from pagedllm.bench.utils import free_port
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama

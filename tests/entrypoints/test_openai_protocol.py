@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from pagedllm.benchmarks.serve import RequestResult, format_summary, summarize
+from pagedllm.bench.serve import RequestResult, format_summary, summarize
 from pagedllm.entrypoints.cli import (
     _chat_template_arg,
     build_parser,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 import time
 import typing
@@ -246,6 +247,23 @@ def cmd_kv_calc(ns: argparse.Namespace) -> int:
     return 0
 
 
+# `pagedllm bench <name>` before the experiments moved to benchmarks/ (python -m benchmarks.<name>).
+MOVED_BENCHMARKS = (
+    "prefix-caching", "sharing", "preemption", "sliding-window", "quantization", "soak", "load",
+    "block-size", "peers", "step", "structured", "dashboard", "attention", "kv-waste",
+)  # fmt: skip
+
+
+def _moved_command(name: str, args: list[str] = ()) -> str:
+    return shlex.join(["python", "-m", "benchmarks." + name.replace("-", "_"), *args])
+
+
+def _moved(name: str, args: list[str]) -> int:
+    print(f"pagedllm bench {name} has moved out of the package: run `{_moved_command(name, args)}`"
+          " from the root of a pagedllm checkout", file=sys.stderr)  # fmt: skip
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -346,75 +364,36 @@ def build_parser() -> argparse.ArgumentParser:
                         help="layers with the sliding window (default: all)")  # fmt: skip
     kv.set_defaults(func=cmd_kv_calc)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve (the experiments "
+                           "are the checkout's python -m benchmarks.<name>)")  # fmt: skip
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import (
-        block_size,
-        dashboard,
-        load,
-        peers,
-        preemption,
-        prefix_caching,
-        quantization,
-        sharing,
-        sliding_window,
-        soak,
-        step,
-        structured,
-        throughput,
-    )
-    from pagedllm.benchmarks import serve as serve_bench
+    from pagedllm.bench import latency, throughput
+    from pagedllm.bench import serve as serve_bench
 
     # Offline benchmarks: each takes every engine flag plus its own.
     for name, module, help_ in (
         ("throughput", throughput, "offline throughput on a sharegpt-like workload"),
-        ("prefix-caching", prefix_caching,
-         "a shared-prefix workload with prefix caching off and on"),
-        ("sharing", sharing, "KV memory saved by sharing blocks in parallel sampling and beam "
-         "search (prefix caching forced off)"),
-        ("preemption", preemption, "preemption by swap vs recompute: recovery time by block "
-         "size, and throughput as the KV pool shrinks"),
-        ("sliding-window", sliding_window, "KV memory of long requests with the sliding "
-         "layers' blocks released vs kept (default model: gemma3-270m)"),
-        ("quantization", quantization, "float32, bfloat16, int8 and int4 weights: memory, "
-         "decode and batched speed, accuracy against float32"),
-        ("soak", soak, "thousands of streams through an in-process HTTP server, then the "
-         "checks: failed requests, leaked blocks, pool integrity, resident memory"),
-        ("load", load, "normalized latency vs request rate and batched requests per KV "
-         "allocation policy (paged, max, pow2, oracle), Poisson arrivals on a virtual clock"),
-        ("block-size", block_size, "normalized latency of the paged engine by block size, "
-         "Poisson arrivals on a virtual clock"),
-        ("peers", peers, "pagedllm's HTTP server, llama.cpp's llama-server and HF static "
-         "batching side by side: output tokens/s at each concurrency, single-stream decode"),
-        ("step", step, "where an engine step's time goes: schedule, input preparation, forward, "
-         "sampling, output processing; prefill speed; schedule() at 256 running; MFU"),
-        ("structured", structured, "a batch with and without grammar-constrained requests: "
-         "throughput, mask time per step, unconstrained outputs unchanged"),
-        ("dashboard", dashboard, "what the KV dashboard's snapshots cost the step loop: a "
-         "batch with none, one every 0.2 s and one every step"),
-    ):  # fmt: skip
+        ("latency", latency, "end-to-end latency of one batch of requests, as vllm bench latency"),
+    ):
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)
         module.add_cli_args(bench_parser)
         bench_parser.set_defaults(
             func=lambda ns, module=module: module.main(ns, engine_args_from(ns))
         )
+    serve_parser = bench_sub.add_parser(
+        "serve", help="online: a Poisson stream of requests against a running pagedllm serve"
+    )
+    serve_bench.add_cli_args(serve_parser)
+    serve_parser.set_defaults(func=serve_bench.main)
 
-    from pagedllm.benchmarks import attention, kv_waste
-
-    # Benchmarks with their own flags only (no engine, or a server already running).
-    for name, module, help_ in (
-        ("attention", attention, "the decode attention kernel's bandwidth (bytes of K/V read "
-         "per second) against a device-to-device copy in the same run"),
-        ("kv-waste", kv_waste, "KV memory use (token states, reserved, fragmentation) of paged "
-         "vs contiguous reservations (Max, Pow2, Oracle), the scheduler run with a stand-in "
-         "model"),
-        ("serve", serve_bench, "online: a Poisson stream of requests against a running "
-         "pagedllm serve"),
-    ):  # fmt: skip
-        bench_parser = bench_sub.add_parser(name, help=help_)
-        module.add_cli_args(bench_parser)
-        bench_parser.set_defaults(func=module.main)
+    # The experiments moved to the checkout's top-level benchmarks/ tree: their old commands
+    # take any arguments (no option is parsed: prefix_chars matches none) and name the new one.
+    for name in MOVED_BENCHMARKS:
+        moved = bench_sub.add_parser(name, help=f"moved: {_moved_command(name)}",
+                                     add_help=False, prefix_chars="\0")  # fmt: skip
+        moved.add_argument("args", nargs="*")
+        moved.set_defaults(func=lambda ns, name=name: _moved(name, ns.args))
     return parser
 
 

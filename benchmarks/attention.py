@@ -1,4 +1,4 @@
-"""`pagedllm bench attention`: the decode attention kernel against the memory it must read.
+"""`python -m benchmarks.attention`: the decode attention kernel against the memory it must read.
 
 A decode step's attention reads every running request's K and V once; nothing else it does
 comes close in bytes, so its speed is bandwidth: bytes read / kernel time, reported against a
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
+from benchmarks import common
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,3 +114,7 @@ def _device_name(device: torch.device) -> str:
             return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
     except (OSError, StopIteration):
         return "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main, engine=False))

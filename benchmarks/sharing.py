@@ -1,4 +1,4 @@
-"""`pagedllm bench sharing`: how much KV-cache memory block sharing saves (the paper's Fig. 15).
+"""`python -m benchmarks.sharing`: the KV-cache memory that block sharing saves (Fig. 15).
 
 The PagedAttention paper (Kwon et al., SOSP 2023, section 6.3, Fig. 15) reports the memory that
 sharing KV blocks saves when one request decodes several sequences from one prompt: parallel
@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
-import types
-from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share
-from pagedllm.benchmarks.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
+from benchmarks import common
+from pagedllm.bench.utils import cpu_counters, others_cpu_share, write_json
+from pagedllm.bench.workload import (
+    WORKLOAD_SHAPES,
+    WorkloadRequest,
+    workload_from_tokenizer,
+    workload_tokenizer,
+)
 from pagedllm.config import EngineArgs
 
 MODES = ("sampling", "beam")
@@ -52,29 +55,6 @@ PAPER_SETUP = (
 )
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated integers >= 1 (an empty list skips that part)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
-    return values
-
-
-def _shape_list(text: str) -> list[str]:
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [v for v in values if v not in WORKLOAD_SHAPES]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(
-            f"workloads are a comma-separated subset of {', '.join(WORKLOAD_SHAPES)}, got {text!r}"
-        )
-    return values
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("benchmark")
     group.add_argument(
@@ -85,7 +65,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--workloads",
-        type=_shape_list,
+        type=common.choice_list(WORKLOAD_SHAPES, "workloads"),
         default=["alpaca", "sharegpt"],
         help="comma-separated: alpaca (~19 prompt / ~58 output tokens), sharegpt "
         "(default: alpaca,sharegpt)",
@@ -99,14 +79,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--parallel-n",
-        type=int_list,
+        type=common.int_list,
         default=[2, 4, 6],
         help="parallel sampling: the numbers of samples per request (default: 2,4,6); "
         "n=1 always runs first as a sanity check",
     )
     group.add_argument(
         "--beam-widths",
-        type=int_list,
+        type=common.int_list,
         default=[2, 4, 6],
         help="beam search widths (default: 2,4,6; an empty string skips beam search)",
     )
@@ -340,9 +320,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         f"torch threads: {torch.get_num_threads()}"
     )
     vocab_size = engine.model_config.vocab_size
-    tokenizer = engine.tokenizer
-    if tokenizer is None:  # no tokenizer: every id of the embedding table is fair game
-        tokenizer = types.SimpleNamespace(vocab_size=vocab_size, all_special_ids=())
+    tokenizer = workload_tokenizer(engine)  # without one, every id of the embedding table
 
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -394,6 +372,9 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         f"{PAPER_SETUP}"
     )
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
-        print(f"wrote {ns.output_json}")
+        write_json(ns.output_json, results)
     return 0 if all(s == 0 for s in sanity.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

@@ -1,4 +1,4 @@
-"""`pagedllm bench load`: normalized latency vs request rate per KV allocation policy (the
+"""`python -m benchmarks.load`: normalized latency vs request rate per KV allocation policy (the
 PagedAttention paper's Figures 12 and 13).
 
 For each workload (ShareGPT- or Alpaca-shaped, see workload.py), each allocation policy and each
@@ -30,24 +30,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pagedllm.benchmarks.kv_waste import KVSlotBreakdown
-from pagedllm.benchmarks.throughput import (
-    _greedy_params,
+from benchmarks import common
+from benchmarks.kv_waste import KVSlotBreakdown
+from pagedllm.bench.utils import (
     cpu_counters,
+    greedy_params,
     others_cpu_share,
     table_lines,
+    write_json,
 )
-from pagedllm.benchmarks.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
+from pagedllm.bench.workload import (
+    WORKLOAD_SHAPES,
+    WorkloadRequest,
+    workload_from_tokenizer,
+    workload_tokenizer,
+)
 from pagedllm.config import KV_ALLOCATIONS, KV_ALLOCATORS, EngineArgs
 
 POLICIES = KV_ALLOCATIONS  # paged, max, pow2, oracle
@@ -58,49 +62,14 @@ DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_LATENCY_CAP = 1.0  # s/token: the plots' y axis stops here, as the paper's do
 
 
-def str_list(text: str) -> list[str]:
-    """argparse type: comma-separated names."""
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def float_list(text: str) -> list[float]:
-    """argparse type: comma-separated positive numbers."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"every value must be > 0: {text!r}")
-    return values
-
-
-def add_workload_args(group) -> None:
-    """Flags shared with `bench block-size`: the workloads and their arrivals."""
-    group.add_argument("--workloads", type=str_list, default=list(WORKLOAD_SHAPES),
-                       help="workloads, comma-separated (default: sharegpt,alpaca)")  # fmt: skip
-    group.add_argument("--num-prompts", type=int, default=48,
-                       help="requests per run (default: 48)")  # fmt: skip
-    group.add_argument("--sharegpt-scale", type=float, default=0.25,
-                       help="length scale of the ShareGPT workload (default: 0.25)")  # fmt: skip
-    group.add_argument("--alpaca-scale", type=float, default=1.0,
-                       help="length scale of the Alpaca workload (default: 1)")  # fmt: skip
-    group.add_argument("--workload-seed", type=int, default=0,
-                       help="seed of the requests' lengths and tokens (default: 0)")  # fmt: skip
-    group.add_argument("--arrival-seed", type=int, default=0,
-                       help="seed of the Poisson arrivals (default: 0)")  # fmt: skip
-    group.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
-    group.add_argument("--output-json", type=Path, default=None,
-                       help="write every figure to this JSON file")  # fmt: skip
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--policies", type=str_list, default=list(POLICIES),
+    group.add_argument("--policies", type=common.str_list, default=list(POLICIES),
                        help="KV allocation policies, comma-separated "
                        "(default: paged,max,pow2,oracle)")  # fmt: skip
     for shape in WORKLOAD_SHAPES:
         default = ",".join(f"{r:g}" for r in DEFAULT_RATES[shape])
-        group.add_argument(f"--{shape}-rates", type=float_list, default=DEFAULT_RATES[shape],
+        group.add_argument(f"--{shape}-rates", type=common.float_list, default=DEFAULT_RATES[shape],
                            help=f"request rates (req/s) of the {shape} workload "
                            f"(default: {default})")  # fmt: skip
     group.add_argument("--allocator", choices=KV_ALLOCATORS, default="buddy",
@@ -108,7 +77,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        "baselines) or first-fit (default: buddy)")  # fmt: skip
     group.add_argument("--latency-cap", type=float, default=DEFAULT_LATENCY_CAP,
                        help="top of the plot's latency axis, s/token (default: 1)")  # fmt: skip
-    add_workload_args(group)
+    common.add_workload_args(group)
 
 
 # -- arrivals and the virtual-clock driver ------------------------------------------------------
@@ -154,7 +123,7 @@ def drive(
     while nxt < len(requests) or engine.has_unfinished_requests():
         while nxt < len(requests) and arrivals[nxt] <= clock:
             prompt, output_len = requests[nxt]
-            engine.add_request(ids[nxt], prompt, _greedy_params(output_len))
+            engine.add_request(ids[nxt], prompt, greedy_params(output_len))
             final_lens[ids[nxt]] = len(prompt) + output_len
             nxt += 1
         if not engine.has_unfinished_requests():
@@ -250,13 +219,6 @@ def with_policy(engine, policy: str, allocator: str = "buddy"):
     return LLMEngine(args, executor=engine.executor, kv_cache_manager=manager)
 
 
-def workload_tokenizer(engine):
-    """The engine's tokenizer, or (none) a stand-in over every id of the embedding table."""
-    if engine.tokenizer is not None:
-        return engine.tokenizer
-    return types.SimpleNamespace(vocab_size=engine.model_config.vocab_size, all_special_ids=())
-
-
 def make_workloads(engine, ns: argparse.Namespace) -> dict[str, list[WorkloadRequest]]:
     scales = {"sharegpt": ns.sharegpt_scale, "alpaca": ns.alpaca_scale}
     unknown = [w for w in ns.workloads if w not in WORKLOAD_SHAPES]
@@ -292,7 +254,7 @@ def bench_engine_args(engine_args: EngineArgs) -> EngineArgs:
 
 def warm_up(engine) -> None:
     """One short request, so first-call overheads are not timed."""
-    engine.add_request("warm-up", [1, 2, 3, 4], _greedy_params(4))
+    engine.add_request("warm-up", [1, 2, 3, 4], greedy_params(4))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -421,15 +383,14 @@ def format_table(result: dict[str, Any]) -> str:
 
 def write_outputs(result: dict[str, Any], ns: argparse.Namespace, plot) -> None:
     if ns.output_json:
-        ns.output_json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"wrote {ns.output_json}")
+        write_json(ns.output_json, result)
     if ns.plot:
         plot(result, ns.plot)
         print(f"wrote {ns.plot}")
 
 
 def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
-    from pagedllm.benchmarks import plots
+    from benchmarks import plots
 
     if ns.plot:
         plots.pyplot()  # fail before the runs, not after
@@ -439,3 +400,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     write_outputs(result, ns, lambda r, path: plots.plot_load(r, path, latency_cap=ns.latency_cap))
     ok = all(r["num_finished"] == r["num_requests"] and not r["num_failed"] for r in result["runs"])
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

@@ -1,4 +1,4 @@
-"""`pagedllm bench kv-waste`: where KV memory goes under each allocation policy (the
+"""`python -m benchmarks.kv_waste`: where KV memory goes under each allocation policy (the
 PagedAttention paper's Figure 2).
 
 After every step, each slot of KV memory a request holds is put in one of four classes:
@@ -19,18 +19,20 @@ managers with a model that samples a fixed token, which takes seconds instead of
 the paper's own geometry: OPT-13B's 800 KiB of KV per token in the ~12 GiB an A100-40GB has
 left beside its 26 GB of weights (15,728 slots), max_model_len 2048, ShareGPT-shaped lengths
 (means 161 prompt / 338 output tokens), all requests queued at once. `KVSlotBreakdown` itself
-also observes real engines (`pagedllm bench load` reports it per run).
+also observes real engines (`python -m benchmarks.load` reports it per run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.benchmarks.throughput import table_lines
-from pagedllm.benchmarks.workload import (
+from benchmarks import common
+from pagedllm.bench.utils import table_lines
+from pagedllm.bench.workload import (
     alpaca_like_workload,
     sharegpt_like_workload,
 )
@@ -237,7 +239,7 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Stacked bars of the four classes per policy, like the paper's Figure 2."""
-    from pagedllm.benchmarks.plots import pyplot
+    from benchmarks.plots import pyplot
 
     plt = pyplot()
     rows = result["rows"]
@@ -273,3 +275,7 @@ def main(ns: argparse.Namespace) -> int:
         plot(result, ns.plot)
         print(f"figure: {ns.plot}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main, engine=False))

@@ -1,4 +1,4 @@
-"""`pagedllm bench sliding-window`: the KV-cache memory that sliding-window layers give back.
+"""`python -m benchmarks.sliding_window`: the KV-cache memory that sliding-window layers give back.
 
 One request per prompt length (random token ids, greedy, `--output-len` tokens) runs twice on one
 engine (default model: Gemma 3 270M, 15 sliding layers with a 512-token window and 3 global
@@ -14,15 +14,15 @@ peak is about window + chunk tokens. The two runs must give the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pagedllm.benchmarks.sharing import int_list
-from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share
+from benchmarks import common
+from pagedllm.bench.utils import cpu_counters, others_cpu_share, write_json
 from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ DEFAULT_MODEL = "gemma3-270m"
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--prompt-lens", type=int_list, default=[512, 2048, 8192],
+    group.add_argument("--prompt-lens", type=common.int_list, default=[512, 2048, 8192],
                        help="prompt lengths, comma-separated (default: 512,2048,8192)")  # fmt: skip
     group.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
     group.add_argument("--output-json", type=Path, default=None, help="write the results here")
@@ -145,6 +145,9 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     result = run(engine_args, ns.prompt_lens, ns.output_len)
     print(format_table(result))
     if ns.output_json:
-        ns.output_json.write_text(json.dumps(result, indent=2))
-        print(f"wrote {ns.output_json}")
+        write_json(ns.output_json, result)
     return 0 if all(r["same_tokens"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

@@ -1,4 +1,4 @@
-"""`pagedllm bench structured`: what grammar-constrained requests cost a batch.
+"""`python -m benchmarks.structured`: what grammar-constrained requests cost a batch.
 
 One engine runs the same batch of `--num-seqs` greedy chat requests (`--output-len` tokens each,
 EOS ignored) three times: all unconstrained; then with half of them constrained by a regex that
@@ -12,9 +12,11 @@ exactly the same tokens in every run: a constrained neighbour does not change th
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import contextmanager
 
+from benchmarks import common
 from pagedllm import structured_output
 from pagedllm.config import EngineArgs
 from pagedllm.sample import sampler as sampler_module
@@ -125,3 +127,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     same = all(r["tokens"][:half] == baseline for r in results.values())
     print(f"unconstrained requests decode the same tokens in every run: {'yes' if same else 'NO'}")
     return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

@@ -6,10 +6,11 @@ not model loading. Alongside speed we measure how much of the reserved KV cache 
 state: pagedllm's block tables (sampled every engine step) against the static cache that a
 padded Hugging Face batch implies.
 
-`--baseline hf` runs the *same* requests through transformers' `generate` on the same GGUF
-weights: static batches of `--hf-batch-size` in arrival order, left-padded, each batch generating
-the longest output in it. Only useful tokens count (each request's own output_len), so padding and
-over-generation cost HF time without adding to its throughput, exactly as they would in serving.
+`--baseline hf` (hf_baseline.py) runs the *same* requests through transformers' `generate` on
+the same GGUF weights: static batches of `--hf-batch-size` in arrival order, left-padded, each
+batch generating the longest output in it. Only useful tokens count (each request's own
+output_len), so padding and over-generation cost HF time without adding to its throughput,
+exactly as they would in serving.
 
 After the pagedllm run, the GEMM peak of the engine's dtype is measured on the same machine and
 the run's model FLOPs utilisation printed (roofline.py): (prompt + output tokens)/s × FLOPs per
@@ -21,22 +22,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import os
 import sys
 import time
-import types
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks import roofline
-from pagedllm.benchmarks.workload import (
-    KVSlotUsage,
-    WorkloadRequest,
-    static_batch_kv_usage,
-    workload_from_tokenizer,
+from pagedllm.bench import hf_baseline, roofline
+from pagedllm.bench.utils import (
+    cpu_counters,
+    greedy_agreement,
+    greedy_params,
+    others_cpu_share,
+    print_run,
+    speed_figures,
+    table_lines,
+    write_json,
 )
+from pagedllm.bench.workload import WorkloadRequest, workload_from_tokenizer, workload_tokenizer
 from pagedllm.config import EngineArgs
 from pagedllm.distributed.parallel import COMM_BYTES
 
@@ -134,75 +136,13 @@ class KVUsageTracker:
         }
 
 
-def _children_cpu_seconds() -> float:
-    """CPU seconds of this process's live children (tensor-parallel ranks: part of the run)."""
-    total, me = 0, str(os.getpid())
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:  # ppid; utime and stime follow at 11 and 12
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_counters() -> tuple[float, float, float] | None:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children,
-    wall seconds)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    return busy, own.user + own.system + _children_cpu_seconds(), time.perf_counter()
-
-
-def others_cpu_share(before, after) -> float | None:
-    """Share of the machine's CPU time other processes used between two `cpu_counters()`:
-    a CPU benchmark is only worth quoting when this stays near zero."""
-    if before is None or after is None or after[2] <= before[2]:
-        return None
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, others) / ((after[2] - before[2]) * (os.cpu_count() or 1))
-
-
-def speed_figures(
-    requests: list[WorkloadRequest], token_ids: list[list[int]], generated: int, elapsed: float
-) -> dict[str, Any]:
-    """Throughput counting only useful output tokens (each request's own output_len)."""
-    useful = sum(min(len(t), n) for t, (_, n) in zip(token_ids, requests, strict=True))
-    num_prompt_tokens = sum(len(p) for p, _ in requests)
-    return {
-        "elapsed_s": elapsed,
-        "num_requests": len(requests),
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_output_tokens": generated,
-        "num_useful_output_tokens": useful,
-        "requests_per_s": len(requests) / elapsed,
-        "output_tokens_per_s": useful / elapsed,
-        "total_tokens_per_s": (num_prompt_tokens + useful) / elapsed,
-    }
-
-
 # -- pagedllm -----------------------------------------------------------------------------------
-def _greedy_params(output_len: int):
-    from pagedllm.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
-
-
-def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
+def run_pagedllm(engine, requests: list[WorkloadRequest]) -> dict[str, Any]:
     """Queue every request, then step the engine to completion, sampling KV use each step."""
-    engine = llm.llm_engine
     # Warm-up (one tiny request) so first-call overheads are not timed.
-    llm.generate([requests[0][0][:8]], _greedy_params(4), use_tqdm=False)
+    engine.add_request("bench-warm-up", requests[0][0][:8], greedy_params(4))
+    while engine.has_unfinished_requests():
+        engine.step()
 
     scheduler = engine.scheduler
     kv = scheduler.kv_cache_manager
@@ -214,7 +154,7 @@ def run_pagedllm(llm, requests: list[WorkloadRequest]) -> dict[str, Any]:
     cpu_before = cpu_counters()
     start = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
-        ids.append(engine.add_request(f"bench-{i}", prompt, _greedy_params(output_len)))
+        ids.append(engine.add_request(f"bench-{i}", prompt, greedy_params(output_len)))
     while engine.has_unfinished_requests():
         step_outputs = engine.step()
         num_steps += 1
@@ -288,164 +228,7 @@ def mfu_line(name: str, m: dict[str, Any]) -> str:
     )
 
 
-# -- HF transformers baseline -------------------------------------------------------------------
-def resolve_hf_source(model: str | None) -> tuple[Path, str | None]:
-    """(directory, GGUF file name or None) for transformers' `from_pretrained`, from the same
-    `--model` pagedllm loaded: a Hugging Face directory as it is, anything else via its GGUF."""
-    from pagedllm.model_loader import resolve_model
-
-    path = Path(resolve_model(model))
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, None
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            path = ggufs[0]
-    if path.is_file() and path.suffix == ".gguf":
-        return path.parent, path.name
-    raise ValueError(
-        f"the HF baseline cannot load {model!r} ({path}): pass a .gguf file or a Hugging Face "
-        "directory as --model"
-    )
-
-
-def load_hf_model(directory: Path, gguf_file: str | None = None):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs)
-    return model.eval()
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int):
-    import torch
-
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt) :] = 1
-    return input_ids, attention_mask
-
-
-def _eos_ids(model) -> list[int]:
-    for source in (model.generation_config, model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            return [eos]
-        if eos:
-            return [int(e) for e in eos]
-    return [0]
-
-
-def run_hf(model, requests: list[WorkloadRequest], batch_size: int) -> dict[str, Any]:
-    """Static, left-padded batches in arrival order; each runs to its longest output."""
-    import torch
-
-    eos_ids = _eos_ids(model)
-    pad_id = eos_ids[0]
-
-    def generate(prompts: list[list[int]], num_new: int):
-        input_ids, attention_mask = _left_pad(prompts, pad_id)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,
-                do_sample=False,
-                pad_token_id=pad_id,
-                eos_token_id=eos_ids,
-            )
-        return out[:, input_ids.shape[1] :]
-
-    generate([requests[0][0][:8]], 2)  # warm-up
-
-    token_ids: list[list[int]] = []
-    generated = 0
-    cpu_before = cpu_counters()
-    start = time.perf_counter()
-    for first in range(0, len(requests), batch_size):
-        batch = requests[first : first + batch_size]
-        num_new = max(n for _, n in batch)
-        new_tokens = generate([p for p, _ in batch], num_new)
-        generated += new_tokens.numel()
-        for row, (_, n) in enumerate(batch):
-            token_ids.append(new_tokens[row, :n].tolist())
-    elapsed = time.perf_counter() - start
-    others = others_cpu_share(cpu_before, cpu_counters())
-
-    kv = static_batch_kv_usage([(len(p), n) for p, n in requests], batch_size)
-    return {
-        **speed_figures(requests, token_ids, generated, elapsed),
-        "batch_size": batch_size,
-        "num_batches": -(-len(requests) // batch_size),
-        "others_cpu_share": others,
-        "kv_cache": _static_kv_dict(kv),
-        "eos_token_ids": eos_ids,
-        "token_ids": token_ids,
-    }
-
-
-def _static_kv_dict(kv: KVSlotUsage) -> dict[str, Any]:
-    return {
-        "reserved_slots": kv.reserved_slots,
-        "used_slots": kv.used_slots,
-        "used_share": kv.used_share,
-        "waste_share": kv.waste_share,
-    }
-
-
-def greedy_agreement(
-    ours: list[list[int]], theirs: list[list[int]], eos_ids: Iterable[int] = ()
-) -> float:
-    """Share of output tokens before the two systems' greedy outputs first diverge.
-
-    Each request is compared up to the first EOS in `ours`: there the engine (ignore_eos) takes
-    EOS, while HF's `min_new_tokens` forbids it, so the two part ways by design, not by error.
-    """
-    eos = set(eos_ids)
-    total = agree = 0
-    for x, y in zip(ours, theirs, strict=True):
-        cut = next((i for i, t in enumerate(x) if t in eos), len(x))
-        total += cut
-        for s, t in zip(x[:cut], y, strict=False):
-            if s != t:
-                break
-            agree += 1
-    return agree / total if total else 1.0
-
-
 # -- reporting ----------------------------------------------------------------------------------
-def print_run(name: str, r: dict[str, Any]) -> None:
-    print(
-        f"[{name}] {r['num_requests']} requests in {r['elapsed_s']:.2f} s: "
-        f"{r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
-        f"{r['total_tokens_per_s']:.1f} total tokens/s"
-    )
-    others = r.get("others_cpu_share")
-    if others is not None:
-        note = " (busy machine: these figures are skewed)" if others > 0.1 else ""
-        print(f"[{name}] other processes used {others:.1%} of the machine's CPU meanwhile{note}")
-
-
-def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
-    """A text table: the first row is the header (underlined), the first column left-aligned,
-    the others right-aligned."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for k, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
-
-
 def format_table(results: dict[str, Any]) -> str:
     rows = [("system", "requests/s", "output tok/s", "total tok/s", "time (s)", "KV slots used",
              "MFU")]  # fmt: skip
@@ -489,16 +272,13 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         raise ValueError(f"--hf-batch-size must be >= 1, got {ns.hf_batch_size}")
     import torch
 
-    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(engine_args))
-    engine = llm.llm_engine
+    engine = LLMEngine(engine_args)
     load_s = time.perf_counter() - t0
-    tokenizer = llm.get_tokenizer()
+    tokenizer = workload_tokenizer(engine)  # without one, every id of the embedding table
     vocab_size = engine.model_config.vocab_size
-    if tokenizer is None:  # no tokenizer: every id of the embedding table is fair game
-        tokenizer = types.SimpleNamespace(vocab_size=vocab_size, all_special_ids=())
     requests = workload_from_tokenizer(
         ns.num_prompts,
         tokenizer,
@@ -534,7 +314,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         },
     }
 
-    paged = run_pagedllm(llm, requests)
+    paged = run_pagedllm(engine, requests)
     paged_tokens = paged.pop("token_ids")
     results["pagedllm"] = paged
     print_run("pagedllm", paged)
@@ -565,16 +345,16 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     paged["mfu"] = mfu_figures(engine.model_config, paged["total_tokens_per_s"], context, peak)
     print(mfu_line("pagedllm", paged["mfu"]))
     hf_model = engine_args.model
-    del llm, engine
+    del engine
     gc.collect()
 
     if ns.baseline == "hf":
         t0 = time.perf_counter()
-        directory, gguf_file = resolve_hf_source(hf_model)
-        model = load_hf_model(directory, gguf_file)
+        directory, gguf_file = hf_baseline.resolve_hf_source(hf_model)
+        model = hf_baseline.load_hf_model(directory, gguf_file)
         source = directory / gguf_file if gguf_file else directory
         print(f"HF transformers: {source} loaded in {time.perf_counter() - t0:.1f} s")
-        hf = run_hf(model, requests, ns.hf_batch_size)
+        hf = hf_baseline.run_hf(model, requests, ns.hf_batch_size)
         hf_tokens = hf.pop("token_ids")
         hf["model_source"] = str(source)
         hf["greedy_agreement_with_pagedllm"] = greedy_agreement(
@@ -602,6 +382,5 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     print()
     print(format_table(results))
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
-        print(f"wrote {ns.output_json}")
+        write_json(ns.output_json, results)
     return 0

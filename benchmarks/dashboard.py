@@ -1,4 +1,4 @@
-"""`pagedllm bench dashboard`: what the KV dashboard's snapshots cost the step loop.
+"""`python -m benchmarks.dashboard`: what the KV dashboard's snapshots cost the step loop.
 
 One engine runs the same batch of greedy requests (`--num-seqs`, a third of them with n = 3 so
 blocks are shared; `--output-len` tokens each, EOS ignored) three times: with no snapshot; with
@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
+from benchmarks import common
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.dashboard import SNAPSHOT_INTERVAL
 from pagedllm.sampling_params import SamplingParams
@@ -90,3 +92,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     same = all(r["tokens"] == results["none"]["tokens"] for r in results.values())
     print(f"every run decodes the same tokens: {'yes' if same else 'NO'}")
     return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

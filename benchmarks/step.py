@@ -1,5 +1,5 @@
-"""`pagedllm bench step`: where an engine step's time goes, prefill speed, and schedule() at 256
-running requests, each against the targets of the CPU performance issue.
+"""`python -m benchmarks.step`: where an engine step's time goes, prefill speed, and schedule()
+at 256 running requests, each against the targets of the CPU performance issue.
 
 Three phases on one engine, each alone (the previous phase's requests are aborted first):
 
@@ -10,10 +10,10 @@ Three phases on one engine, each alone (the previous phase's requests are aborte
 3. schedule: `--schedule-running` short requests decoding; scheduler.schedule() timed during
    `--num-steps` real steps (each step advances the state the next schedule() sees).
 
-The split wraps bound methods on the engine's own instances (scheduler.schedule,
-runner.execute_model, runner._step_inputs and _attention_metadata, model.forward,
-model.compute_logits, runner._sample): the engine runs its real code, nothing is mocked or
-changed for measuring.
+The split times the public methods of the engine's own parts, wrapped on their instances while
+a `StepTimer` is open and restored when it closes (scheduler.schedule, runner.execute_model,
+runner.prepare_inputs, runner.execute, model.forward, model.compute_logits, runner.sample): the
+engine runs its real code, nothing is mocked or changed for measuring.
 Model FLOPs utilisation of phases 1 and 2 uses the GEMM peak measured at the end (roofline.py).
 """
 
@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks import roofline
-from pagedllm.benchmarks.throughput import table_lines
+from benchmarks import common
+from pagedllm.bench import roofline
+from pagedllm.bench.utils import table_lines, write_json
 from pagedllm.config import EngineArgs
 
 # The issue's targets.
@@ -100,8 +99,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 # -- timing the parts of a step ----------------------------------------------------------------
 class StepTimer:
-    """Wraps the engine's bound methods (on its instances only) so that each `step()` returns the
-    seconds spent in every part, and what the step's batch was made of."""
+    """While open (a context manager), each `step()` returns the seconds spent in every part of
+    one engine step, and what the step's batch was made of. It wraps public methods on the
+    engine's own instances (never their classes) and puts the originals back on closing."""
 
     def __init__(self, engine) -> None:
         import torch
@@ -112,16 +112,29 @@ class StepTimer:
         self._sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
         self._acc: dict[str, float] | None = None  # the current step's seconds per wrapped call
         self._batch: dict[str, float] = {}
-        runner = engine.executor.driver_worker.model_runner
-        self._wrap(engine.scheduler, "schedule", "schedule", self._record_batch)
+        self._wrapped: list[tuple[object, str]] = []
+
+    def __enter__(self) -> StepTimer:
+        runner = self.engine.executor.driver_worker.model_runner
+        self._wrap(self.engine.scheduler, "schedule", "schedule", self._record_batch)
         self._wrap(runner, "execute_model", "execute_model")
         self._wrap(runner, "prepare_inputs", "prepare_inputs")  # host arrays
-        self._wrap(runner, "_attention_metadata", "prepare_inputs")  # and their tensors
+        self._wrap(runner, "execute", "execute")  # their tensors, the forward and the logits
         self._wrap(runner.model, "forward", "forward")  # nn.Module.__call__ finds it
         self._wrap(runner.model, "compute_logits", "compute_logits")
-        self._wrap(runner, "_sample", "sample")
+        self._wrap(runner, "sample", "sample")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # The wrappers are instance attributes shadowing the class's methods: deleting them
+        # leaves the instances as they were.
+        for obj, name in reversed(self._wrapped):
+            delattr(obj, name)
+        self._wrapped.clear()
 
     def _wrap(self, obj, name: str, key: str, after=None) -> None:
+        if name in vars(obj):
+            raise RuntimeError(f"{type(obj).__name__}.{name} is already wrapped")
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
@@ -136,6 +149,7 @@ class StepTimer:
             return out
 
         setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
 
     def _record_batch(self, so) -> None:
         """Tokens, sequences, prefills and the context the step's tokens attend to, read from
@@ -160,21 +174,23 @@ class StepTimer:
         self._sync()
         step_s = time.perf_counter() - t0
         a, self._acc = self._acc, None
+        # execute's own work besides the model: block moves, the step's tensors and attention
+        # metadata, gathering the rows to sample: input preparation on the device side.
+        in_execute = a["execute"] - a["forward"] - a["compute_logits"]
         record = {
             "step_s": step_s,
             "schedule": a["schedule"],
-            "prepare_inputs": a["prepare_inputs"],
+            "prepare_inputs": a["prepare_inputs"] + in_execute,
             "forward": a["forward"],
             "logits_and_sampling": a["compute_logits"] + a["sample"],
             "compute_logits": a["compute_logits"],
             "sample": a["sample"],
             # The rest of LLMEngine.step: update_from_output, detokenizing, building outputs.
             "update_and_outputs": step_s - a["schedule"] - a["execute_model"],
-            # execute_model's own work: block copies, gathering the rows to sample, etc.
+            # execute_model's own work around its three calls (a call's overhead, in practice).
             "other_in_execute_model": a["execute_model"]
             - a["prepare_inputs"]
-            - a["forward"]
-            - a["compute_logits"]
+            - a["execute"]
             - a["sample"],
             **self._batch,
         }
@@ -385,17 +401,17 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         f"torch threads: {torch.get_num_threads()}"
     )
 
-    timer = StepTimer(engine)
     rng = random.Random(ns.workload_seed)
     vocab = engine.model_config.vocab_size
-    # Warm-up: first-call costs (kernel selection, allocator) are not part of any phase.
-    engine.add_request("warmup", _random_prompt(rng, 8, vocab), _params(4))
-    while engine.has_unfinished_requests():
-        timer.step()
+    with StepTimer(engine) as timer:
+        # Warm-up: first-call costs (kernel selection, allocator) are not part of any phase.
+        engine.add_request("warmup", _random_prompt(rng, 8, vocab), _params(4))
+        while engine.has_unfinished_requests():
+            timer.step()
 
-    decode = run_decode(engine, timer, ns, rng, vocab)
-    prefill = run_prefill(engine, timer, ns, rng, vocab)
-    schedule = run_schedule(engine, timer, ns, rng, vocab)
+        decode = run_decode(engine, timer, ns, rng, vocab)
+        prefill = run_prefill(engine, timer, ns, rng, vocab)
+        schedule = run_schedule(engine, timer, ns, rng, vocab)
     peak = roofline.measure_gemm_peak(engine.dtype, device=engine.device)
     peak_flops = peak["best_gflops"] * 1e9
     config = engine.model_config
@@ -473,6 +489,9 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             "gemm_peak": peak,
             "targets": {k: {"value": v, "target": t, "met": m} for k, (v, t, m) in targets.items()},
         }
-        Path(ns.output_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
-        print(f"wrote {ns.output_json}")
+        write_json(ns.output_json, results)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

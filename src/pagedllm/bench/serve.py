@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.benchmarks.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
+from pagedllm.bench.workload import WORKLOAD_SHAPES, WorkloadRequest, workload_from_tokenizer
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""`pagedllm bench prefix-caching`: the same shared-prefix workload with prefix caching off and on.
+"""`python -m benchmarks.prefix_caching`: one shared-prefix workload, prefix caching off and on.
 
 This follows the shared-prefix experiment of the PagedAttention paper (Kwon et al., SOSP 2023,
 section 6.4): WMT16 English-to-German translation prompts that all start with the same prefix (an
@@ -6,7 +6,7 @@ instruction plus one example, 80 tokens, or five examples, 341 tokens) followed 
 translate. Our workload is synthetic and seeded: one common prefix of `--prefix-len` tokens, then a
 short distinct suffix per request (a sentence-sized log-normal length, mean `--suffix-len`), and a
 short output (log-normal, mean `--output-len`), token ids drawn uniformly from the tokenizer's
-ordinary vocabulary as in `workload.py`. Requests arrive as a seeded Poisson process at
+ordinary vocabulary (prefix_workload.py). Requests arrive as a seeded Poisson process at
 `--request-rate` (default `inf`: all queued at once, offline throughput).
 
 One command runs the workload twice in one process, on the same engine flags, first with prefix
@@ -20,32 +20,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import statistics
 import sys
 import time
-import types
 from collections import deque
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from pagedllm.benchmarks.throughput import (
+from benchmarks import common
+from benchmarks.prefix_workload import SharedPrefixWorkload, workload_for_engine
+from pagedllm.bench.utils import (
     cpu_counters,
     greedy_agreement,
+    greedy_params,
+    median,
     others_cpu_share,
     print_run,
     speed_figures,
+    write_json,
 )
-from pagedllm.benchmarks.workload import LengthDistribution, WorkloadRequest, normal_token_ids
 from pagedllm.config import EngineArgs
-
-# Spread of the suffix and output lengths: log-normal with this sigma, clipped to
-# [mean / 4, 4 * mean]. WMT16 sentences average roughly 25 tokens with a moderate spread.
-SHORT_LENGTH_SIGMA = 0.5
 
 # The paper's figures (Fig. 16): vLLM's throughput over Orca (Oracle)'s, by prefix length.
 PAPER_FIGURES = (
@@ -98,153 +92,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# -- workload -----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class SharedPrefixWorkload:
-    """Requests that all start with `prefix`; `arrival_offsets[i]` is request i's arrival, in
-    seconds after the start (non-decreasing; all 0 for an infinite request rate)."""
-
-    prefix: list[int]
-    requests: list[WorkloadRequest]
-    arrival_offsets: list[float]
-
-    @property
-    def suffix_lens(self) -> list[int]:
-        return [len(p) - len(self.prefix) for p, _ in self.requests]
-
-    @property
-    def output_lens(self) -> list[int]:
-        return [n for _, n in self.requests]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p, _ in self.requests)
-
-    def expected_hit_tokens(self, block_size: int) -> int:
-        """Prompt tokens a prefix cache should serve: every request after the first finds the
-        prefix's full blocks cached (a block that mixes prefix and suffix tokens cannot hit)."""
-        return max(0, len(self.requests) - 1) * (len(self.prefix) // block_size) * block_size
-
-
-def short_length_distribution(mean: float) -> LengthDistribution:
-    """Log-normal lengths of mean `mean` (after clipping to [mean/4, 4*mean], at least 1)."""
-    if mean < 1:
-        raise ValueError(f"a mean length must be >= 1, got {mean}")
-    lo = max(1, math.floor(mean / 4))
-    hi = max(lo, math.ceil(mean * 4))
-    return LengthDistribution(mean, SHORT_LENGTH_SIGMA, lo, hi)
-
-
-def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> list[float]:
-    """Arrival offsets in seconds: the first at 0, then exponential gaps of mean 1/rate."""
-    if not rate > 0:
-        raise ValueError(f"request rate must be positive, got {rate}")
-    if n == 0:
-        return []
-    if math.isinf(rate):
-        return [0.0] * n
-    gaps = rng.exponential(1.0 / rate, size=n - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
-
-
-def shared_prefix_workload(
-    num_prompts: int,
-    vocab_size: int,
-    *,
-    exclude_ids: Iterable[int] = (),
-    prefix_len: int = 341,
-    suffix_len: float = 25.0,
-    output_len: float = 25.0,
-    request_rate: float = math.inf,
-    seed: int = 0,
-    max_model_len: int | None = None,
-) -> SharedPrefixWorkload:
-    """`num_prompts` requests sharing one prefix of `prefix_len` tokens, reproducible from `seed`.
-
-    Lengths, tokens and arrivals come from independent streams of one seed, so changing the
-    vocabulary or the rate changes nothing else. Suffixes are distinct (redrawn on a repeat). With
-    `max_model_len`, suffixes and outputs are cut so that every request fits.
-    """
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    if prefix_len < 0:
-        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
-    if max_model_len is not None and prefix_len + 2 > max_model_len:
-        raise ValueError(
-            f"a {prefix_len}-token prefix leaves no room for a suffix and an output within "
-            f"max_model_len {max_model_len}: lower --prefix-len or raise --max-model-len"
-        )
-    suffix_dist = short_length_distribution(suffix_len)
-    output_dist = short_length_distribution(output_len)
-    length_seed, token_seed, arrival_seed = np.random.SeedSequence(seed).spawn(3)
-    length_rng = np.random.default_rng(length_seed)
-    token_rng = np.random.default_rng(token_seed)
-    suffix_lens = suffix_dist.sample(length_rng, num_prompts)
-    output_lens = output_dist.sample(length_rng, num_prompts)
-    arrivals = poisson_arrivals(np.random.default_rng(arrival_seed), num_prompts, request_rate)
-    vocab = normal_token_ids(vocab_size, exclude_ids)
-
-    prefix = vocab[token_rng.integers(0, vocab.size, size=prefix_len)].tolist()
-    seen: set[tuple[int, ...]] = set()
-    requests: list[WorkloadRequest] = []
-    for suf_len, out_len in zip(suffix_lens.tolist(), output_lens.tolist(), strict=True):
-        if max_model_len is not None:
-            suf_len = min(suf_len, max_model_len - 1 - prefix_len)
-            out_len = max(1, min(out_len, max_model_len - prefix_len - suf_len))
-        for _ in range(100):
-            suffix = tuple(vocab[token_rng.integers(0, vocab.size, size=suf_len)].tolist())
-            if suffix not in seen:
-                break
-        else:
-            raise ValueError(
-                f"cannot draw {num_prompts} distinct suffixes of about {suffix_len} tokens from "
-                f"{vocab.size} token ids: raise --suffix-len"
-            )
-        seen.add(suffix)
-        requests.append((prefix + list(suffix), int(out_len)))
-    return SharedPrefixWorkload(prefix, requests, arrivals)
-
-
-def workload_for_engine(ns: argparse.Namespace, engine) -> SharedPrefixWorkload:
-    """The workload of the command's flags over the engine's tokenizer (or, without one, every id
-    of its embedding table), fitted to its context length."""
-    vocab_size = engine.model_config.vocab_size
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
-        tokenizer = types.SimpleNamespace(vocab_size=vocab_size, all_special_ids=())
-    return shared_prefix_workload(
-        ns.num_prompts,
-        min(vocab_size, tokenizer.vocab_size),
-        exclude_ids=getattr(tokenizer, "all_special_ids", ()) or (),
-        prefix_len=ns.prefix_len,
-        suffix_len=ns.suffix_len,
-        output_len=ns.output_len,
-        request_rate=ns.request_rate,
-        seed=ns.workload_seed,
-        max_model_len=engine.max_model_len,
-    )
-
-
 # -- one system ---------------------------------------------------------------------------------
-def _greedy_params(output_len: int):
-    from pagedllm.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
-
-
 def _warm_up(engine, prompt: list[int]) -> None:
     """One tiny request run to completion, so first-call overheads are not timed."""
-    engine.add_request("bench-warm-up", {"prompt_token_ids": prompt[:8]}, _greedy_params(4))
+    engine.add_request("bench-warm-up", {"prompt_token_ids": prompt[:8]}, greedy_params(4))
     while engine.has_unfinished_requests():
         engine.step()
 
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def run_engine(engine, workload: SharedPrefixWorkload) -> dict[str, Any]:
@@ -274,7 +131,7 @@ def run_engine(engine, workload: SharedPrefixWorkload) -> dict[str, Any]:
             engine.add_request(
                 f"bench-{i}",
                 {"prompt_token_ids": prompt},
-                _greedy_params(output_len),
+                greedy_params(output_len),
                 arrival_time=start_wall + offsets[i],
             )
         if engine.has_unfinished_requests():
@@ -297,9 +154,9 @@ def run_engine(engine, workload: SharedPrefixWorkload) -> dict[str, Any]:
     return {
         **speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed),
         "mean_ttft_s": _mean(ttft),
-        "median_ttft_s": _median(ttft),
+        "median_ttft_s": median(ttft),
         "mean_latency_s": _mean(latency),
-        "median_latency_s": _median(latency),
+        "median_latency_s": median(latency),
         "mean_latency_per_output_token_s": _mean(per_token),
         "prefix_cache": {
             "enabled": kv.enable_prefix_caching,
@@ -485,8 +342,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     )
     print(paper_note(ns.prefix_len, ratios["throughput_on_over_off"]))
     if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
-        print(f"wrote {ns.output_json}")
+        write_json(ns.output_json, results)
     return 0
 
 
@@ -521,3 +377,7 @@ def _print_workload(w: dict[str, Any]) -> None:
         f"(mean {w['num_output_tokens'] / n:.1f}); a prefix cache can serve "
         f"{w['expected_hit_tokens']} prompt tokens ({w['expected_hit_rate']:.1%})"
     )
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

@@ -1,7 +1,7 @@
-"""`pagedllm bench block-size`: normalized latency of the paged engine by block size (the
+"""`python -m benchmarks.block_size`: normalized latency of the paged engine by block size (the
 PagedAttention paper's Fig. 18a).
 
-The requests, arrivals and virtual clock are `bench load`'s (load.py), on the paged policy, at one
+The requests, arrivals and virtual clock are load.py's, on the paged policy, at one
 request rate per workload. Each block size gets its own KV pool of the same bytes (the pool's
 shape depends on the block size), block manager and scheduler; the model is loaded once. Small
 blocks cost more block-table work per token; large ones waste the tail of each request's last
@@ -16,9 +16,8 @@ import sys
 import time
 from typing import Any
 
-from pagedllm.benchmarks import load
-from pagedllm.benchmarks.sharing import int_list
-from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share, table_lines
+from benchmarks import common, load
+from pagedllm.bench.utils import cpu_counters, others_cpu_share, table_lines
 from pagedllm.config import EngineArgs, parse_bytes
 
 DEFAULT_BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -27,14 +26,14 @@ DEFAULT_RATE = {"sharegpt": 1.5, "alpaca": 3.0}
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--block-sizes", type=int_list, default=DEFAULT_BLOCK_SIZES,
+    group.add_argument("--block-sizes", type=common.int_list, default=DEFAULT_BLOCK_SIZES,
                        help="block sizes, comma-separated "
                        "(default: 1,2,4,8,16,32,64,128,256)")  # fmt: skip
     for shape, rate in DEFAULT_RATE.items():
         group.add_argument(f"--{shape}-rate", type=float, default=rate,
                            help=f"request rate (req/s) of the {shape} workload "
                            f"(default: {rate:g})")  # fmt: skip
-    load.add_workload_args(group)
+    common.add_workload_args(group)
 
 
 def with_block_size(engine, block_size: int):
@@ -107,7 +106,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
-    from pagedllm.benchmarks import plots
+    from benchmarks import plots
 
     if ns.plot:
         plots.pyplot()
@@ -117,3 +116,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     load.write_outputs(result, ns, plots.plot_block_size)
     ok = all(r["num_finished"] == r["num_requests"] and not r["num_failed"] for r in result["runs"])
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

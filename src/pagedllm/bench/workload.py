@@ -288,3 +288,12 @@ def static_batch_kv_usage(lengths: Sequence[tuple[int, int]], batch_size: int) -
         reserved += len(batch) * (max_prompt + max_new)
         used += sum(p + o for p, o in batch)
     return KVSlotUsage(reserved, used)
+
+
+def workload_tokenizer(engine):
+    """The engine's tokenizer, or (none) a stand-in over every id of the embedding table."""
+    if engine.tokenizer is not None:
+        return engine.tokenizer
+    import types
+
+    return types.SimpleNamespace(vocab_size=engine.model_config.vocab_size, all_special_ids=())

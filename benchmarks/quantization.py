@@ -1,4 +1,4 @@
-"""`pagedllm bench quantization`: memory, speed and accuracy of float32, bfloat16, int8 and int4.
+"""`python -m benchmarks.quantization`: memory, speed and accuracy of fp32, bf16, int8 and int4.
 
 One engine per configuration, built and freed in turn, on the same engine flags otherwise. For
 each: the weight memory (bytes of parameters and buffers), single-stream decode tokens/s (one
@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.throughput import cpu_counters, others_cpu_share, table_lines
+from benchmarks import common
+from pagedllm.bench.utils import cpu_counters, others_cpu_share, table_lines
 from pagedllm.config import QUANTIZATION_METHODS, EngineArgs
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -332,3 +333,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         Path(ns.output_json).write_text(json.dumps(out, indent=2, default=str) + "\n")
         print(f"wrote {ns.output_json}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

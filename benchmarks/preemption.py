@@ -1,4 +1,4 @@
-"""`pagedllm bench preemption`: what preemption costs, swap vs recompute (the paper's Fig. 19).
+"""`python -m benchmarks.preemption`: what preemption costs, swap vs recompute (paper Fig. 19).
 
 When the KV-cache pool runs dry, the scheduler preempts the latest-arrived running group. Mode
 "swap" copies its blocks to a CPU swap pool and back when it resumes; mode "recompute" drops them
@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import statistics
 import sys
 import time
 import types
@@ -46,16 +45,20 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.benchmarks.sharing import int_list
-from pagedllm.benchmarks.throughput import (
+from benchmarks import common
+from benchmarks.common import int_list
+from pagedllm.bench.utils import (
     cpu_counters,
     greedy_agreement,
     others_cpu_share,
     print_run,
     speed_figures,
 )
-from pagedllm.benchmarks.workload import WorkloadRequest, normal_token_ids, workload_from_tokenizer
+from pagedllm.bench.utils import greedy_params as _greedy_params
+from pagedllm.bench.utils import median as _median
+from pagedllm.bench.workload import WorkloadRequest, normal_token_ids, workload_from_tokenizer
 from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_spec import cdiv
 
 PARTS = ("recovery", "throughput")
 MODES = ("recompute", "swap")
@@ -176,10 +179,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 # -- arithmetic ---------------------------------------------------------------------------------
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def round_up(n: int, multiple: int) -> int:
     return cdiv(n, multiple) * multiple
 
@@ -210,10 +209,6 @@ def pool_blocks(fraction: float, demand: int, min_blocks: int) -> tuple[int, boo
     request of max_model_len, the engine's start-up minimum) if below; `clamped` says it was."""
     blocks = max(1, int(fraction * demand + 0.5))
     return max(blocks, min_blocks), blocks < min_blocks
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def _ms(seconds: float) -> float:
@@ -504,12 +499,6 @@ def _print_recovery(recovery: dict[str, Any]) -> None:
 
 
 # -- part 2: throughput as the pool shrinks -----------------------------------------------------
-def _greedy_params(output_len: int):
-    from pagedllm.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
-
-
 def run_pool(engine, requests: list[WorkloadRequest]) -> dict[str, Any]:
     """Warm up (one tiny request; the prefix cache emptied after it), queue every request, step
     the engine until all finish; speed, preemption and swap counters of the run."""
@@ -830,3 +819,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         Path(ns.output_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(f"wrote {ns.output_json}")
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))

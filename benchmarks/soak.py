@@ -1,4 +1,4 @@
-"""`pagedllm bench soak`: many requests through a real HTTP server, then the leak checks.
+"""`python -m benchmarks.soak`: many requests through a real HTTP server, then the leak checks.
 
 The server runs in this process (uvicorn on a thread, the engine on its own), so that after the
 load the engine itself can be inspected: failed requests (from the `bench serve` client), then,
@@ -17,12 +17,14 @@ import contextlib
 import gc
 import json
 import math
-import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks import common
+from pagedllm.bench.utils import free_port
 from pagedllm.config import EngineArgs
 
 
@@ -33,12 +35,6 @@ def rss_bytes(pid: int | str = "self") -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/<pid>/status")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -184,8 +180,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
-    from pagedllm.benchmarks.serve import format_summary, run_benchmark
-    from pagedllm.benchmarks.workload import workload_from_tokenizer
+    from pagedllm.bench.serve import format_summary, run_benchmark
+    from pagedllm.bench.workload import workload_from_tokenizer
     from pagedllm.engine.async_llm_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
 
@@ -258,3 +254,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         and result["dashboard_bad_polls"] == 0
     )  # fmt: skip
     return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(add_cli_args, main))
