@@ -1,0 +1,147 @@
+"""Who may import whom (docs/architecture.md): every import in src/pagedllm, at module level or
+inside a function, goes down the layers or stays inside its own package, and no two files
+import each other round a circle. Reads the sources only; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Bottom to top; a unit may import units of lower layers only (and itself).
+LAYERS = [
+    ["config", "logger", "cpu_info", "outputs", "sampling_params", "version"],
+    ["request"],
+    ["core"],
+    ["kernels", "kv_calc"],
+    ["distributed"],
+    ["attention"],
+    ["layers"],
+    ["models"],
+    ["model_loader"],
+    ["structured_output"],
+    ["sample"],
+    ["worker"],
+    ["executor"],
+    ["engine"],
+    ["bench", "benchmarks"],
+    ["entrypoints"],
+    [""],  # the package's __init__: its lazy LLM / LLMEngine
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    """pagedllm.core.scheduler -> core; pagedllm -> ''."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """The pagedllm modules `path` imports (`from pagedllm import x` counts as pagedllm.x)."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "pagedllm"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this package
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            if base.split(".")[0] != "pagedllm":
+                continue
+            # `from package import module` imports the module; `from module import name`,
+            # the module (_graph keeps what exists).
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in (SRC / "pagedllm").rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for name in _imports(path, module):
+            while name not in modules and "." in name:  # an attribute: its module
+                name = name.rpartition(".")[0]
+            if name in modules and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where the imported module is not in a lower layer (nor in
+    the importer's own package)."""
+    return sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if _unit(t) != _unit(m) and RANK[_unit(t)] >= RANK[_unit(m)]
+    )
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    counter = iter(range(len(graph) + 1))
+
+    def visit(v):
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+GRAPH = _graph()
+
+
+def test_every_unit_has_a_layer():
+    assert {_unit(m) for m in GRAPH} <= RANK.keys()
+
+
+def test_imports_go_down_the_layers():
+    assert upward_imports(GRAPH) == []
+
+
+def test_no_import_circles():
+    """Files, within a package as well: a circle means modules that cannot be read (or
+    loaded) one without the other."""
+    assert circles(GRAPH) == []
+
+
+def test_the_checks_find_what_they_look_for():
+    """An upward import and a circle planted in a copy of the graph are both found."""
+    planted = {k: set(v) for k, v in GRAPH.items()}
+    planted["pagedllm.core.scheduler"].add("pagedllm.engine.llm_engine")
+    assert ("pagedllm.core.scheduler", "pagedllm.engine.llm_engine") in upward_imports(planted)
+    assert any(
+        {"pagedllm.core.scheduler", "pagedllm.engine.llm_engine"} <= set(c)
+        for c in circles(planted)
+    )
