@@ -345,11 +345,29 @@ def load_gguf(path: str | os.PathLike, keep_codes: bool = False, lazy: bool = Fa
         return _load_gguf(path, reader, keep_codes, lazy)
 
 
+# Rows dequantized at a time: the gguf package holds a float32 copy of what it is given besides
+# its output, which for a whole embedding is another 100 MB and more at the peak of a load.
+_DEQUANTIZE_ROWS = 4096
+
+
+def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """float32, row blocks at a time into one array (rows dequantize on their own)."""
+    if data.ndim < 2 or data.shape[0] <= _DEQUANTIZE_ROWS:
+        return gguf.quants.dequantize(data, qtype)
+    step = _DEQUANTIZE_ROWS
+    first = gguf.quants.dequantize(data[:step], qtype)
+    out = np.empty((data.shape[0], *first.shape[1:]), np.float32)
+    out[:step] = first
+    for start in range(step, data.shape[0], step):
+        out[start : start + step] = gguf.quants.dequantize(data[start : start + step], qtype)
+    return out
+
+
 def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
     """One tensor, dequantized to float32 and in HF's layout."""
     try:
         # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
-        array = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
+        array = _dequantize(t.data.view(np.ndarray), t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
             f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
