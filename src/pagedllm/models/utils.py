@@ -51,8 +51,9 @@ def load_weights(
         method = getattr(model.get_submodule(target.rpartition(".")[0]), "quant_method", None)
         taken = method is not None and method.takes_codes and name in codes
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        tensor = codes[name] if taken else read()  # a file's own errors name their tensor
         try:
-            weight_loader(param, codes[name] if taken else read(), shard_id)
+            weight_loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"weight {name!r} {e}") from None
         loaded.update(k for k in required if k[0] == target and shard_id in (None, k[1]))
