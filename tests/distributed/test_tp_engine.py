@@ -100,9 +100,16 @@ def test_head_split_is_checked_before_starting(checkpoint):
     assert tp_group().size == 1
 
 
-def test_quantization_is_refused():
-    with pytest.raises(ValueError, match="--quantization with tensor parallelism"):
-        LLM(tensor_parallel_size=2, quantization="int4")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_on_two_ranks(checkpoint, quantization):
+    """Each rank quantizes its slices of the weights (its input columns of o_proj and down_proj
+    whole groups of 32): one rank's tokens, its log-probabilities to float32 tolerance."""
+    expected = generate(LLM(model=checkpoint, quantization=quantization, **ENGINE))
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, quantization=quantization, **ENGINE)
+    try:
+        assert_same(generate(llm), expected)
+    finally:
+        llm.shutdown()
 
 
 def test_a_group_that_cannot_connect_names_what_to_check(checkpoint, monkeypatch):

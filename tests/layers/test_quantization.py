@@ -1,31 +1,30 @@
-"""Weight-only int8 / int4 linear layers: the kernels (both paths: codes times a few rows, and
-the expanded weight for more) against dequantize-then-matmul, GGUF blocks taken exactly, and
-quantize_model on a tiny Llama."""
+"""Weight-only int8 / int4 layers: the kernels (both paths: codes times a few rows, and the
+expanded weight for more) against dequantize-then-matmul, shards quantized as they arrive equal
+to the whole matrix quantized, GGUF blocks taken exactly, and a tiny Llama built quantized."""
 
 from __future__ import annotations
-
-import gc
-import weakref
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from pagedllm import kernels
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers import quantization
+from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
 from pagedllm.layers.quantization import (
-    Int4Linear,
+    MAX_GEMV_ROWS,
+    Int4LinearMethod,
     Int4Weight,
-    Int8Linear,
+    Int8LinearMethod,
     Int8Weight,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    layers_with_codes,
     pack_int4,
-    quantize_model,
     unpack_int4,
-    weight_bytes,
 )
+from pagedllm.layers.weight_utils import weight_bytes
 from pagedllm.model_loader.gguf_codes import codes_from_gguf
 from pagedllm.models import LlamaForCausalLM
 
@@ -33,6 +32,21 @@ from pagedllm.models import LlamaForCausalLM
 # the activations and scales, which the reference then uses as they are).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SHAPES = [(64, 32), (96, 160), (960, 576)]  # (N, K); K = 160 is 5 groups of 32
+
+
+def quantized(kind: str, weight, bias=None, dtype=None) -> ColumnParallelLinear:
+    """A layer of `kind` (int8 / int4) loaded with `weight` (a float tensor or codes)."""
+    n, k = weight.shape
+    dtype = dtype or (weight.dtype if isinstance(weight, torch.Tensor) else torch.float32)
+    layer = ColumnParallelLinear(k, n, bias is not None, dtype, QuantizationConfig(kind))
+    layer.weight_loader(layer.weight, weight)
+    if bias is not None:
+        layer.weight_loader(layer.bias, bias)
+    return layer
+
+
+def dequantized(layer) -> torch.Tensor:
+    return layer.quant_method.dequantize(layer)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,16 +81,15 @@ def test_matmul_equals_dequantized_reference(kind, bias, shape, dtype, backend):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    layer = Int8Linear.from_float(w, b) if kind == "int8" else Int4Linear.from_float(w, b)
-    w_deq = layer.dequantize()
+    layer = quantized(kind, w, b)
+    w_deq = dequantized(layer)
     # The quantization itself is close to the float weight (it is a weight-only error budget).
     step = w.float().abs().reshape(n, -1, 32).amax(-1).repeat_interleave(32, 1)
     step = step / (127 if kind == "int8" else 7)
     assert ((w_deq - w.float()).abs() <= step).all()
     # One token, 1-3 rows left over after tiles of 4, the most rows multiplied as codes, the
     # first expanded to a GEMM, and leading dimensions.
-    rows = quantization.MAX_GEMV_ROWS
-    for lead in [(1,), (2,), (3,), (7,), (rows,), (rows + 1,), (2, 5)]:
+    for lead in [(1,), (2,), (3,), (7,), (MAX_GEMV_ROWS,), (MAX_GEMV_ROWS + 1,), (2, 5)]:
         x = torch.randn(*lead, k, generator=g).to(dtype)
         _check(layer(x), _reference(x, w_deq, b), dtype)
 
@@ -87,9 +100,8 @@ def test_expanded_weight_is_the_dequantized_one(kind, dtype, backend):
     """weight_as (the kernels' expansion into the shared scratch buffer) == dequantize(), rounded
     once to dtype; a smaller layer after a bigger one reuses the buffer correctly."""
     for n, k in [(96, 160), (32, 64)]:
-        w = torch.randn(n, k)
-        layer = Int8Linear.from_float(w) if kind == "int8" else Int4Linear.from_float(w)
-        assert torch.equal(layer.weight_as(dtype), layer.dequantize().to(dtype))
+        layer = quantized(kind, torch.randn(n, k))
+        assert torch.equal(layer.quant_method.weight_as(layer, dtype), dequantized(layer).to(dtype))
 
 
 @pytest.mark.parametrize("offset", [0.0, 20.0])
@@ -99,9 +111,9 @@ def test_int4_one_bfloat16_row(offset, backend):
     x (offset) is the hard case for that cancellation. Within bfloat16's rounding of y."""
     g = torch.Generator().manual_seed(3)
     for k in (64, 576, 1536):  # 2, 18 and 48 blocks: whole pairs
-        layer = Int4Linear.from_float(torch.randn(48, k, generator=g))
+        layer = quantized("int4", torch.randn(48, k, generator=g))
         x = (torch.randn(1, k, generator=g) + offset).bfloat16()
-        _check(layer(x), _reference(x, layer.dequantize(), None), torch.bfloat16)
+        _check(layer(x), _reference(x, dequantized(layer), None), torch.bfloat16)
 
 
 def test_int4_packing_is_ggmls_order():
@@ -113,51 +125,66 @@ def test_int4_packing_is_ggmls_order():
     assert torch.equal(unpack_int4(packed), q)
 
 
-def test_int4_codes_and_fusing():
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shards_quantized_as_they_arrive_equal_the_whole_matrix(kind, dtype):
+    """Rows and 32-column groups quantize on their own: a packed layer loading its parts one by
+    one (rounded to the dtype first) holds the codes of the whole matrix, bit for bit; so do the
+    codes' own row and column slices."""
+    w = torch.randn(80, 96)
+    whole = quantized(kind, w.to(dtype))
+    merged = MergedColumnParallelLinear(96, [48, 32], False, dtype, QuantizationConfig(kind))
+    merged.weight_loader(merged.weight, w[48:], 1)  # the parts in any order, from float32
+    merged.weight_loader(merged.weight, w[:48], 0)
+    for name in ("weight", "weight_scale", "weight_min")[: 2 + (kind == "int4")]:
+        assert torch.equal(getattr(merged, name), getattr(whole, name)), name
+    codes_cls = Int8Weight if kind == "int8" else Int4Weight
+    codes = codes_cls.from_float(w)
+    assert torch.equal(codes.narrow(0, 16, 32).dequantize(), codes.dequantize()[16:48])
+    columns = codes_cls.from_float(w[:, 32:]).dequantize()
+    assert torch.equal(codes.narrow(1, 32, 64).dequantize(), columns)
+    with pytest.raises(ValueError, match="groups of 32"):
+        codes.narrow(1, 16, 32)
+
+
+def test_int4_codes():
     w = torch.randn(32, 64)
-    codes = Int4Weight.from_float(w, 32)
+    codes = Int4Weight.from_float(w)
     assert codes.q.dtype == torch.uint8 and int(codes.q.max()) <= 15
     assert codes.scale.shape == codes.min.shape == (32, 2)
-    # Rows quantize independently, so fusing codes = quantizing the fused matrix.
-    top, bottom = Int4Weight.from_float(w[:16], 32), Int4Weight.from_float(w[16:], 32)
-    assert torch.equal(Int4Weight.cat([top, bottom]).dequantize(), codes.dequantize())
     # A constant group (scale 0) comes back exactly.
-    flat = Int4Weight.from_float(torch.full((16, 32), 0.25), 32)
+    flat = Int4Weight.from_float(torch.full((16, 32), 0.25))
     assert torch.equal(flat.dequantize(), torch.full((16, 32), 0.25))
-    # Groups of several blocks.
-    wide = Int4Linear(Int4Weight.from_float(w, 64), None, torch.float32)
-    assert wide.group_size == 64 and wide.scales.shape == (32, 1)
-    x = torch.randn(2, 64)
-    _check(wide(x), _reference(x, wide.dequantize(), None), torch.float32)
 
 
-def test_int8_codes_and_fusing():
-    w = torch.randn(32, 64)
-    codes = Int8Weight.from_float(w)
+def test_int8_codes():
+    codes = Int8Weight.from_float(torch.randn(32, 64))
     assert codes.q.dtype == torch.int8 and int(codes.q.abs().max()) == 127
-    top, bottom = Int8Weight.from_float(w[:16]), Int8Weight.from_float(w[16:])
-    assert torch.equal(Int8Weight.cat([top, bottom]).dequantize(), codes.dequantize())
 
 
 def test_input_size_must_be_whole_blocks():
     with pytest.raises(ValueError, match="in_features % 32"):
-        Int4Linear.from_float(torch.randn(16, 48))
+        Int4Weight.from_float(torch.randn(16, 48))
+    # Such a layer stays float.
+    layer = ColumnParallelLinear(48, 16, quant_config=QuantizationConfig("int4"))
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_follows_module_to_dtype(dtype, backend):
-    """module.to(dtype) casts the bias, never the codes or their float16 scales; the output
-    takes the input's dtype."""
-    layer = Int8Linear.from_float(torch.randn(32, 64), torch.randn(32)).to(dtype)
-    assert layer.qweight.dtype == torch.int8 and layer.scales.dtype == torch.float16
+def test_output_follows_the_input_dtype(dtype, backend):
+    """The codes and their float16 scales are what they are; the bias is in the model's dtype;
+    the output takes the input's dtype."""
+    layer = quantized("int8", torch.randn(32, 64), torch.randn(32), dtype)
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float16
     assert layer.bias.dtype == dtype
-    layer4 = Int4Linear.from_float(torch.randn(32, 64)).to(dtype)
-    assert layer4.packed.dtype == torch.uint8 and layer4.mins.dtype == torch.float16
+    layer4 = quantized("int4", torch.randn(32, 64), dtype=dtype)
+    assert layer4.weight.dtype == torch.uint8 and layer4.weight_min.dtype == torch.float16
     x = torch.randn(3, 64, dtype=dtype)
     assert layer(x).dtype == layer4(x).dtype == dtype
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     assert layer4(x.to(other)).dtype == other
-    assert layer4.nbytes == 32 * 32 + 2 * 32 * 2 * 2  # codes, scales and mins
+    assert layer4.quant_method.nbytes(layer4) == 32 * 32 + 2 * 32 * 2 * 2  # codes, scales, mins
+    assert weight_bytes(layer4) == layer4.quant_method.nbytes(layer4)
 
 
 # -- GGUF blocks --------------------------------------------------------------------------------
@@ -176,14 +203,16 @@ def test_gguf_blocks_are_taken_exactly(qtype, backend):
     ref = _gguf_reference(raw, qtype)
     codes = codes_from_gguf(raw, qtype)
     assert isinstance(codes, Int8Weight if qtype == _Q.Q8_0 else Int4Weight)
-    assert codes.group_size == 32 and codes.q.shape == (48, 96)
+    assert codes.q.shape == (48, 96)
     assert torch.equal(codes.dequantize(), ref)  # the same float32 weights, bit for bit
-    layer = (Int8Linear if qtype == _Q.Q8_0 else Int4Linear)(codes, None, torch.float32)
-    assert torch.equal(layer.dequantize(), ref)  # float16 scales and mins lose nothing
-    assert torch.equal(layer.weight_as(torch.float32), ref)
-    for rows in (1, 5, quantization.MAX_GEMV_ROWS + 1):
+    layer = quantized("int8" if qtype == _Q.Q8_0 else "int4", codes)
+    assert torch.equal(dequantized(layer), ref)  # float16 scales and mins lose nothing
+    assert torch.equal(layer.quant_method.weight_as(layer, torch.float32), ref)
+    for rows in (1, 5, MAX_GEMV_ROWS + 1):
         x = torch.randn(rows, 96)
         _check(layer(x), _reference(x, ref, None), torch.float32)
+    with pytest.raises(ValueError, match="codes, not int"):
+        quantized("int4" if qtype == _Q.Q8_0 else "int8", codes)
 
 
 def test_gguf_q4_k_blocks_up_to_float16_scales():
@@ -200,11 +229,11 @@ def test_gguf_q4_k_blocks_up_to_float16_scales():
     ref = _gguf_reference(raw, _Q.Q4_K)
     codes = codes_from_gguf(raw, _Q.Q4_K)
     assert torch.equal(codes.dequantize(), ref)
-    layer = Int4Linear(codes, None, torch.float32)
+    layer = quantized("int4", codes)
     bound = (15 * codes.scale + codes.min.abs()) * 2.0**-11 + 1e-7
-    assert ((layer.dequantize() - ref).abs() <= bound.repeat_interleave(32, dim=1)).all()
+    assert ((dequantized(layer) - ref).abs() <= bound.repeat_interleave(32, dim=1)).all()
     x = torch.randn(3, k)
-    _check(layer(x), _reference(x, layer.dequantize(), None), torch.float32)
+    _check(layer(x), _reference(x, dequantized(layer), None), torch.float32)
 
 
 def test_other_gguf_types_are_not_codes():
@@ -212,68 +241,86 @@ def test_other_gguf_types_are_not_codes():
     assert codes_from_gguf(raw, _Q.F16) is None
 
 
-# -- quantize_model -----------------------------------------------------------------------------
-def _tiny_llama(tie: bool) -> LlamaForCausalLM:
-    config = ModelArchConfig(
-        architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        tie_word_embeddings=tie,
-    )  # fmt: skip
+# -- a model built quantized --------------------------------------------------------------------
+CONFIG = dict(
+    architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)  # fmt: skip
+
+
+def random_checkpoint(tie: bool) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """A tiny Llama's config and random float32 weights (packed layers stored whole)."""
+    config = ModelArchConfig(**CONFIG, tie_word_embeddings=tie)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
-    return model.eval()
+    return config, dict(model.named_parameters())
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_quantize_model_swaps_projections_and_drops_floats(method, tie):
-    model = _tiny_llama(tie)
-    float_bytes = weight_bytes(model)
-    old_weight = weakref.ref(model.model.layers[0].mlp.gate_up_proj.weight)
-    kept = quantize_model(model, method)
-    gc.collect()
-    assert old_weight() is None  # the float weight is not kept anywhere
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    assert linears == kept == []
-    kind = Int8Linear if method == "int8" else Int4Linear
-    # A tied lm_head gets an int8 copy; the float embedding stays for the lookups.
-    assert isinstance(model.lm_head, Int8Linear if tie else kind)
+def test_model_built_quantized(method, tie):
+    config, state = random_checkpoint(tie)
+    float_model = LlamaForCausalLM(config)
+    float_model.load_weights(state)
+    model = LlamaForCausalLM(config, quant_config=QuantizationConfig(method))
+    model.load_weights(state)
+    kind = Int8LinearMethod if method == "int8" else Int4LinearMethod
+    # A tied lm_head gets int8 codes of its own; the float embedding stays for the lookups.
+    assert isinstance(model.lm_head.quant_method, Int8LinearMethod if tie else kind)
     assert model.model.embed_tokens.weight.dtype == torch.float32
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj, kind)
-    assert isinstance(model.model.layers[1].mlp.down_proj, kind)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                     layer.mlp.down_proj):  # fmt: skip
+            assert isinstance(proj.quant_method, kind)
     assert not any(
         p.dtype == torch.float32 and p.dim() == 2 for p in model.model.layers.parameters()
     )
-    assert weight_bytes(model) < float_bytes
+    assert weight_bytes(model) < weight_bytes(float_model)
     assert model.dtype == torch.float32
+    head = model.lm_head
+    if tie or method == "int8":  # the head's codes: its float weight's (the embedding's)
+        name = "model.embed_tokens.weight" if tie else "lm_head.weight"
+        expected = Int8Weight.from_float(state[name])
+        assert torch.equal(head.weight, expected.q)
+        assert torch.equal(head.weight_scale, expected.scale.half())
 
 
-def test_quantize_model_uses_exact_int4_weights():
-    model = _tiny_llama(False)
-    w = model.model.layers[0].mlp.down_proj.weight
-    exact = Int4Weight.from_float(torch.zeros_like(w), 32)  # different from what w quantizes to
-    quantize_model(model, "int4", {"model.layers.0.mlp.down_proj": exact})
-    assert torch.equal(model.model.layers[0].mlp.down_proj.dequantize(), exact.dequantize())
+def test_layers_built_to_take_codes_take_them():
+    config, state = random_checkpoint(True)
+    exact = Int4Weight.from_float(torch.zeros(64, 96))  # not what down_proj's floats give
+    embedding = Int8Weight.from_float(torch.flip(state["model.embed_tokens.weight"], [0]))
+    codes = {"model.layers.0.mlp.down_proj.weight": exact, "model.embed_tokens.weight": embedding}
+    taking = frozenset({"model.layers.0.mlp.down_proj", "lm_head"})
+    model = LlamaForCausalLM(config, quant_config=QuantizationConfig("int4", False, taking))
+    state["model.layers.0.mlp.down_proj.weight"] = torch.randn(64, 96)  # not read
+    model.load_weights(state, codes)
+    down = model.model.layers[0].mlp.down_proj
+    assert torch.equal(down.quant_method.dequantize(down), exact.dequantize())
+    assert torch.equal(model.lm_head.weight, embedding.q)  # the tied head: the embedding's codes
+    # The embedding itself stays the checkpoint's floats.
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
 
 
-def test_tied_lm_head_takes_the_embeddings_int8_codes():
-    model = _tiny_llama(True)
-    emb = model.model.embed_tokens.weight
-    exact = Int8Weight.from_float(torch.flip(emb, [0]))  # recognisably not emb's own codes
-    quantize_model(model, "int4", {"model.embed_tokens": exact})
-    assert torch.equal(model.lm_head.qweight, exact.q)
-
-
-def test_group_by_module_fuses_only_complete_shards():
-    model = _tiny_llama(False)
-    names = {f"model.layers.0.self_attn.{p}_proj.weight": p for p in "qkv"}
-    names["model.layers.1.self_attn.q_proj.weight"] = "lonely q"  # no k / v: not fused
-    names["model.layers.0.mlp.down_proj.weight"] = "down"
-    names["model.layers.0.mlp.down_proj.bias"] = "bias is not a weight"
-    assert model.group_by_module(names) == {
-        "model.layers.0.self_attn.qkv_proj": ["q", "k", "v"],
-        "model.layers.0.mlp.down_proj": ["down"],
+def test_layers_with_codes_need_every_part_in_the_methods_kind():
+    q4, q8 = Int4Weight, Int8Weight
+    mapping = LlamaForCausalLM.packed_modules_mapping
+    kinds = {f"model.layers.0.self_attn.{p}_proj.weight": q4 for p in "qkv"}
+    kinds["model.layers.1.self_attn.q_proj.weight"] = q4  # no k / v: not taken
+    kinds |= {"model.layers.1.mlp.gate_proj.weight": q4, "model.layers.1.mlp.up_proj.weight": q8}
+    kinds["model.layers.0.mlp.down_proj.weight"] = q4
+    kinds["model.layers.0.mlp.down_proj.bias"] = q4  # not a weight
+    kinds["model.layers.2.self_attn.qkv_proj.weight"] = q4  # stored fused (Phi-3)
+    kinds["model.embed_tokens.weight"] = q8
+    assert layers_with_codes(kinds, mapping, "int4", tie_word_embeddings=True) == {
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.2.self_attn.qkv_proj",
+        "model.layers.0.mlp.down_proj",
+        "lm_head",  # the tied head: the embedding's int8 codes
     }
+    assert layers_with_codes(kinds, mapping, "int8", tie_word_embeddings=False) == {
+        "model.embed_tokens"  # an embedding takes no codes: harmless
+    }
+    assert layers_with_codes(kinds, mapping, "none", tie_word_embeddings=True) == set()

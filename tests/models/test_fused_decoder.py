@@ -9,8 +9,8 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
-from pagedllm.layers.quantization import MAX_GEMV_ROWS, quantize_model
+from pagedllm.layers.quantization import MAX_GEMV_ROWS, QuantizationConfig, can_pack
+from pagedllm.model_loader.build import process_weights_after_loading
 from pagedllm.models.fused_decoder import NotFusable
 from pagedllm.models.llama import LlamaForCausalLM
 from tests.models.paged_runner import PagedRunner
@@ -31,23 +31,27 @@ OPTIONS = {
     "partial_rotary": dict(partial_rotary_factor=0.5, rope_theta=500.0),
     "embedding_multiplier": dict(embedding_multiplier=2.0),
 }
-# projections -> (dtype, how the loaded model is converted)
+# projections -> (dtype, what the layers are built as)
 KINDS = {
-    "float32": (torch.float32, lambda m: None),
-    "packed_bf16": (torch.bfloat16, pack_linear_weights),
-    "int4": (torch.bfloat16, lambda m: quantize_model(m, "int4")),
-    "int8": (torch.float32, lambda m: quantize_model(m, "int8")),
+    "float32": (torch.float32, QuantizationConfig()),
+    "packed_bf16": (torch.bfloat16, QuantizationConfig(prepack=True)),
+    "int4": (torch.bfloat16, QuantizationConfig("int4")),
+    "int8": (torch.float32, QuantizationConfig("int8")),
 }
 
 
-def tiny_model(dtype, convert, **overrides) -> LlamaForCausalLM:
+def tiny_model(dtype, quant_config, **overrides) -> LlamaForCausalLM:
+    """Random float32 weights (norms near 1, not all ones), loaded into a model built in
+    `dtype` with quant_config's layers, then processed as build_model does."""
+    config = ModelArchConfig(**{**BASE, **overrides})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelArchConfig(**{**BASE, **overrides}), "cpu")
+    weights = LlamaForCausalLM(config, "cpu")
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.2)  # norms near 1, not all ones
-    model = model.to(dtype).eval()
-    convert(model)
+        for p in weights.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.2)
+    model = LlamaForCausalLM(config, "cpu", dtype, quant_config).eval()
+    model.load_weights(dict(weights.named_parameters()))
+    process_weights_after_loading(model, quant_config)
     return model
 
 
@@ -58,10 +62,10 @@ def run(model, prompts, chunk_sizes, max_new_tokens=12):
 
 
 def fused_and_eager(kind, options):
-    dtype, convert = KINDS[kind]
-    if kind == "packed_bf16" and not can_pack(dtype, torch.device("cpu")):
-        pytest.skip("needs oneDNN")
-    eager, fused = (tiny_model(dtype, convert, **OPTIONS[options]) for _ in range(2))
+    dtype, quant_config = KINDS[kind]
+    if quant_config.prepack and not can_pack(dtype, torch.device("cpu")):
+        pytest.skip("needs oneDNN's bfloat16 path")
+    eager, fused = (tiny_model(dtype, quant_config, **OPTIONS[options]) for _ in range(2))
     fused.fuse_decoder()
     return eager, fused
 

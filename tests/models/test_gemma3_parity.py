@@ -203,6 +203,22 @@ def test_sliding_window_and_softcaps_matter(saved):
             assert (prefill_logits(model, PROMPTS[2:])[0] - base).abs().max() > 1e-2, change
 
 
+def test_built_in_bfloat16_is_the_float32_model_cast(saved):
+    """Built in bfloat16 (the engine's way: the rotary tables and the embedding scale made in
+    it) is the float32 model cast to it (the way before), bit for bit."""
+    directory, _ = saved("mixed")
+    loaded = load_model(str(directory))
+    cast = Gemma3ForCausalLM(loaded.config)
+    cast.load_weights(loaded.weights.items())
+    cast = cast.to(torch.bfloat16).eval()
+    built = Gemma3ForCausalLM(loaded.config, dtype=torch.bfloat16).eval()
+    built.load_weights(loaded.weights.items())
+    assert built.model.embed_scale.dtype == torch.bfloat16
+    with torch.inference_mode():
+        for a, b in zip(prefill_logits(built, PROMPTS), prefill_logits(cast, PROMPTS), strict=True):
+            assert torch.equal(a, b)
+
+
 # (block_size, prompt chunk sizes): whole prompts batched together, or prompts prefilled in
 # chunks while the other requests already decode (mixed prefill + decode steps).
 SCHEDULES = {"batched": (16, None), "chunked": (4, [3, 2, 5]), "block1": (1, [4, 3, 6])}

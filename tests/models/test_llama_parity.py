@@ -170,7 +170,7 @@ def test_bfloat16_close_to_float32():
         scale = expected.abs().max()
         assert (got - expected).abs().max() < 0.05 * scale
         assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
-    # Casting a loaded fp32 model (what the engine does) is the same as building it in bf16.
+    # Building in bf16 (what the engine does) is casting a loaded fp32 model, bit for bit.
     cast = make_ours(hf).to(torch.bfloat16)
     seq = PROMPTS[0]
     a = bf16.compute_logits(PagedRunner(bf16).step([(Req(seq, len(seq)), len(seq))]))

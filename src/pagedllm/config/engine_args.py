@@ -181,10 +181,5 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.quantization != "none":
-            raise ValueError(
-                "--quantization with tensor parallelism is not supported yet: the quantized "
-                "kernels take whole weights"
-            )
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

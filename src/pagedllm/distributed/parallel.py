@@ -1,4 +1,5 @@
-"""This process's place in the tensor-parallel group, and how the model is split across it.
+"""This process's place in the tensor-parallel group, and how the model is split across it
+(layers/linear.py and layers/vocab_parallel_embedding.py cut their weights by these).
 
 Each process (rank) holds about 1/N of every projection, as Megatron-LM splits a transformer:
 the KV heads with their query heads (as evenly as whole GQA groups split; each KV head on
@@ -99,17 +100,12 @@ def head_shard(config: ModelArchConfig) -> HeadShard:
 
 
 def split(n: int, what: str) -> tuple[int, int]:
-    """(start, count) of this rank's equal share of n rows of `what`."""
+    """(start, count) of this rank's equal share of n rows (or columns) of `what`."""
     tp = tp_group()
     if n % tp.size:
         raise ValueError(f"tensor parallel size {tp.size} does not divide {what} ({n})")
     count = n // tp.size
     return tp.rank * count, count
-
-
-def mlp_shard(config: ModelArchConfig) -> tuple[int, int]:
-    """(start, count) of this rank's rows of the MLP's intermediate dimension."""
-    return split(config.intermediate_size, "the MLP's intermediate size")
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:

@@ -78,20 +78,23 @@ class RotaryEmbedding(nn.Module):
         base: float = 10000.0,
         rope_scaling: dict | None = None,
         rotary_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq, max_len = compute_inv_freq(
-            self.rotary_dim, base, rope_scaling, max_position_embeddings
-        )
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)  # [P, d/2]
-        # Non-persistent: derived from the config, never part of a checkpoint. Casting them with
-        # model.to(dtype) is harmless: HF casts cos/sin to the activations' dtype as well.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-        # The fused CPU kernel's float32 tables: plain attributes, which model.to(dtype) keeps.
-        self.cos_f32, self.sin_f32 = self.cos_cache, self.sin_cache
+        with torch.device("cpu"):  # the same float32 tables whatever device the model is on
+            inv_freq, max_len = compute_inv_freq(
+                self.rotary_dim, base, rope_scaling, max_position_embeddings
+            )
+            freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)  # [P, d/2]
+            # The fused CPU kernel's float32 tables: plain attributes, which module.to() keeps.
+            self.cos_f32, self.sin_f32 = freqs.cos(), freqs.sin()
+        # Non-persistent: derived from the config, never part of a checkpoint. In the model's
+        # dtype: HF casts cos/sin to the activations' dtype as well, and so does cos_sin.
+        device = torch.get_default_device()
+        for name, table in (("cos_cache", self.cos_f32), ("sin_cache", self.sin_f32)):
+            self.register_buffer(name, table.to(device, dtype), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -116,7 +119,7 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate_fused(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """In place, in one C++ call, which rounds cos/sin to x's dtype first as torch's path
-        does (the buffers cast by model.to(dtype) hold those very values)."""
+        does (the buffers in the model's dtype hold those very values)."""
         x2d = x.view(x.shape[0], -1)
         kernels.cpu_ops().rotary_embedding(
             x2d, positions, self.cos_f32, self.sin_f32, self.head_dim, self.rotary_dim

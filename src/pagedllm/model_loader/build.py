@@ -1,5 +1,6 @@
-"""Building the model a worker runs: the architecture's class on this rank's shard, the
-checkpoint's weights in it, the weight format the flags ask for, and the fused decoder."""
+"""Building the model a worker runs: the architecture's class on this rank's shard, in the final
+dtype and weight format, the checkpoint's weights in it, then the post-load steps (prepacking)
+and the fused decoder."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ from torch import nn
 from pagedllm import kernels
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.distributed import tp_group
-from pagedllm.layers.packed_linear import can_pack, pack_linear_weights
-from pagedllm.layers.quantization import quantize_model, weight_bytes
+from pagedllm.layers.quantization import (
+    Int4LinearMethod,
+    Int8LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    can_pack,
+    layers_with_codes,
+)
+from pagedllm.layers.weight_utils import weight_bytes
 from pagedllm.model_loader.loader import load_model
 from pagedllm.models.fused_decoder import NotFusable
 from pagedllm.models.registry import get_model_class
@@ -39,30 +47,35 @@ def build_model(
     t0 = time.perf_counter()
     dtype = getattr(torch, model_config.dtype)
     method = model_config.quantization
+    if method != "none":
+        _check_quantized_device(method, device)
     loaded = load_model(
         model_config.model,
         model_config.tokenizer,
         keep_codes=method != "none",
         allow_pickle=load_config.allow_pickle_checkpoints,
-        lazy=tp_group().size > 1,  # each rank keeps its slices only
+        # One tensor at a time: a rank keeps its slices only, a quantized layer its codes.
+        lazy=tp_group().size > 1 or method != "none",
     )
-    model = get_model_class(loaded.config.architecture)(
-        loaded.config, attention_backend=attention_backend
-    )
+    model_cls = get_model_class(loaded.config.architecture)
+    quant_config = QuantizationConfig(
+        method,
+        prepack=can_pack(dtype, device),
+        layers_with_codes=layers_with_codes(
+            loaded.quant_codes.kinds, model_cls.packed_modules_mapping, method,
+            loaded.config.tie_word_embeddings,
+        ),
+    )  # fmt: skip
+    with torch.device(device):
+        model = model_cls(loaded.config, attention_backend, dtype, quant_config).eval()
     try:
-        model.load_weights(loaded.weights.items())
+        model.load_weights(loaded.weights, loaded.quant_codes)
     except ValueError as e:  # a tensor of the wrong shape, missing or unknown: name the file
         raise ValueError(f"{loaded.source or loaded.name}: {e}") from None
-    loaded.weights.clear()  # the model holds copies; free these before quantizing
-    model = model.to(device=device, dtype=dtype).eval()
-    num_bytes = _quantize(model, method, loaded, dtype, device)
-    if can_pack(dtype, device):
-        # Quantized weights are chosen to save memory: no packed copy of a tied lm_head then.
-        added = pack_linear_weights(model, pack_shared=method == "none")
-        num_bytes += added
-        logger.info(
-            "bfloat16 projections prepacked for oneDNN (+%.1f MiB for tied copies)", added / 2**20
-        )
+    loaded.weights.clear()
+    loaded.quant_codes.clear()
+    _log_weights(model, method, dtype)
+    num_bytes = process_weights_after_loading(model, quant_config)
     if not model_config.enforce_eager and device.type == "cpu":
         _fuse_decoder(model)
     logger.info(
@@ -72,13 +85,24 @@ def build_model(
     return BuiltModel(model, num_bytes)
 
 
-def _quantize(model: nn.Module, method: str, loaded, dtype: torch.dtype, device) -> int:
-    """Swap the projections for --quantization's layers; log and return the weight bytes."""
-    float_bytes = weight_bytes(model)
-    dtype_name = str(dtype).removeprefix("torch.")
-    if method == "none":
-        logger.info("weights: %.1f MiB (%s)", float_bytes / 2**20, dtype_name)
-        return float_bytes
+def process_weights_after_loading(model: nn.Module, quant_config: QuantizationConfig) -> int:
+    """Every layer's quant_method's post-load step (prepacking for oneDNN); returns the weight
+    bytes after it."""
+    before = weight_bytes(model)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    after = weight_bytes(model)
+    if quant_config.prepack:
+        logger.info(
+            "bfloat16 projections prepacked for oneDNN (+%.1f MiB for tied copies)",
+            (after - before) / 2**20,
+        )
+    return after
+
+
+def _check_quantized_device(method: str, device: torch.device) -> None:
     if device.type != "cpu":
         raise ValueError(
             f"--quantization {method} runs on pagedllm's CPU kernels: run with --device cpu"
@@ -89,22 +113,30 @@ def _quantize(model: nn.Module, method: str, loaded, dtype: torch.dtype, device)
             "weight on each call (correct, but slower than the float model)",
             method,
         )
-    exact = {  # the checkpoint's own codes, fused like the model's projections
-        module: type(parts[0]).cat(parts)
-        for module, parts in model.group_by_module(loaded.quant_codes).items()
-        if len({type(p) for p in parts}) == 1
-    }
-    loaded.quant_codes.clear()
-    kept = quantize_model(model, method, exact)
-    quant_bytes = weight_bytes(model)
+
+
+def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
+    """What the loaded weights take; for a quantized model, against the float model's bytes."""
+    num_bytes = weight_bytes(model)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if method == "none":
+        logger.info("weights: %.1f MiB (%s)", num_bytes / 2**20, dtype_name)
+        return
+    float_bytes, kept, exact = num_bytes, [], 0
+    for name, module in model.named_modules():
+        m = getattr(module, "quant_method", None)
+        if isinstance(m, (Int4LinearMethod, Int8LinearMethod)):
+            float_bytes += m.float_bytes(module) - m.nbytes(module)
+            exact += m.takes_codes
+        elif isinstance(m, UnquantizedLinearMethod):
+            kept.append(name)
     logger.info(
         "weights: %.1f MiB with %s projections (%.1f MiB all in %s); kept in %s: %s",
-        quant_bytes / 2**20, method, float_bytes / 2**20, dtype_name, dtype_name,
+        num_bytes / 2**20, method, float_bytes / 2**20, dtype_name, dtype_name,
         ", ".join(kept) or "nothing",
     )  # fmt: skip
     if exact:
-        logger.info("%d weights taken from the GGUF's blocks as they are", len(exact))
-    return quant_bytes
+        logger.info("%d weights taken from the GGUF's blocks as they are", exact)
 
 
 def _fuse_decoder(model: nn.Module) -> None:

@@ -41,6 +41,13 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32).reshape(-1)
 
 
+def code_kind(ggml_type) -> type | None:
+    """What codes_from_gguf makes of a tensor of this type (without decoding it), or None."""
+    if ggml_type not in CODE_TYPES:
+        return None
+    return Int8Weight if ggml_type == _T.Q8_0 else Int4Weight
+
+
 def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
     """Raw rows of a GGUF tensor ([N, bytes per row], as GGUFReader gives them, q/k rows already
     unpermuted) -> codes, or None when the type is not one of CODE_TYPES."""

@@ -29,9 +29,9 @@ import torch
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
-from pagedllm.model_loader.gguf_codes import CODE_TYPES, codes_from_gguf
+from pagedllm.model_loader.gguf_codes import code_kind, codes_from_gguf
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
-from pagedllm.model_loader.loaded_model import LazyWeights, LoadedModel
+from pagedllm.model_loader.loaded_model import LazyCodes, LazyWeights, LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
 from pagedllm.models.registry import architecture_from_gguf
 
@@ -336,20 +336,38 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
 def load_gguf(path: str | os.PathLike, keep_codes: bool = False, lazy: bool = False) -> LoadedModel:
     """Read a GGUF file: config, float32 weights with HF names, and its tokenizer.
 
-    keep_codes: also keep the Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as int4 / int8 codes, for
-    `--quantization` to use exactly as stored (they are dequantized all the same, as the float
-    model is loaded first). lazy: weights dequantized one at a time as the model takes them
-    (LazyWeights), not all at once."""
+    keep_codes: also give the Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as int4 / int8 codes (LazyCodes,
+    decoded when asked for), for `--quantization` to use exactly as stored (their dequantized
+    weights stay in `weights` all the same). lazy: weights dequantized one at a time as the
+    model takes them (LazyWeights), not all at once."""
     reader = open_gguf(path)
     with _naming(path):
         return _load_gguf(path, reader, keep_codes, lazy)
+
+
+# Rows dequantized at a time: the gguf package holds a float32 copy of what it is given besides
+# its output, which for a whole embedding is another 100 MB and more at the peak of a load.
+_DEQUANTIZE_ROWS = 4096
+
+
+def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """float32, row blocks at a time into one array (rows dequantize on their own)."""
+    if data.ndim < 2 or data.shape[0] <= _DEQUANTIZE_ROWS:
+        return gguf.quants.dequantize(data, qtype)
+    step = _DEQUANTIZE_ROWS
+    first = gguf.quants.dequantize(data[:step], qtype)
+    out = np.empty((data.shape[0], *first.shape[1:]), np.float32)
+    out[:step] = first
+    for start in range(step, data.shape[0], step):
+        out[start : start + step] = gguf.quants.dequantize(data[start : start + step], qtype)
+    return out
 
 
 def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
     """One tensor, dequantized to float32 and in HF's layout."""
     try:
         # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
-        array = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
+        array = _dequantize(t.data.view(np.ndarray), t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
             f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
@@ -372,6 +390,14 @@ def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
+def _read_codes(t, n_head: int | None):
+    """One tensor's blocks as codes, its rows unpermuted where its floats are (n_head)."""
+    raw = t.data.view(np.ndarray)
+    if n_head is not None:  # a row permutation: it moves raw rows of blocks just as well
+        raw = unpermute_from_gguf(raw, n_head)
+    return codes_from_gguf(raw, t.tensor_type)
+
+
 def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool, lazy: bool) -> LoadedModel:
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -381,18 +407,16 @@ def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool, lazy: bool) -> L
     if arch not in _PERMUTED_QK_ARCHS:
         heads = {}  # NEOX-RoPE archs: q/k rows are stored in HF's order
 
-    readers, quant_codes = {}, {}
+    readers, code_readers, kinds = {}, {}, {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         readers[name] = functools.partial(_read_tensor, t, name, arch, heads)
-        proj = name.split(".")[-2]
-        if keep_codes and t.tensor_type in CODE_TYPES:
-            raw = t.data.view(np.ndarray)
-            if proj in heads:  # a row permutation: it moves raw rows of blocks just as well
-                raw = unpermute_from_gguf(raw, heads[proj])
-            quant_codes[name] = codes_from_gguf(raw, t.tensor_type)
+        kind = code_kind(t.tensor_type)
+        if keep_codes and kind is not None:
+            kinds[name] = kind
+            code_readers[name] = functools.partial(_read_codes, t, heads.get(name.split(".")[-2]))
     weights = LazyWeights(readers) if lazy else {name: read() for name, read in readers.items()}
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")
@@ -401,7 +425,7 @@ def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool, lazy: bool) -> L
         weights=weights,
         tokenizer=_tokenizer(meta),
         name=name,
-        quant_codes=quant_codes,
+        quant_codes=LazyCodes(code_readers, kinds),
         source=os.fspath(path),
     )
 

@@ -32,6 +32,24 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self._readers.clear()
 
 
+class LazyCodes(LazyWeights):
+    """A GGUF's 4- and 8-bit blocks as codes (gguf_codes.py), decoded when asked for; `kinds`
+    tells which each is (Int4Weight or Int8Weight) before anything is decoded, for the layers to
+    be built to take them."""
+
+    def __init__(
+        self,
+        readers: dict[str, Callable[[], QuantWeight]] | None = None,
+        kinds: dict[str, type] | None = None,
+    ) -> None:
+        super().__init__(readers or {})
+        self.kinds = kinds or {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.kinds.clear()
+
+
 @dataclass
 class LoadedModel:
     config: ModelArchConfig
@@ -42,5 +60,5 @@ class LoadedModel:
     name: str
     # HF weight names -> int4 / int8 codes, for weights a GGUF stores in 4- or 8-bit blocks (only
     # when asked for, see load_gguf's keep_codes); `weights` holds them dequantized all the same.
-    quant_codes: dict[str, QuantWeight] = field(default_factory=dict)
+    quant_codes: LazyCodes = field(default_factory=LazyCodes)
     source: str | None = None  # the file or directory loaded, for error messages

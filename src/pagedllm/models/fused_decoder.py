@@ -17,31 +17,38 @@ from pagedllm.attention.cpu import MIN_SDPA_QUERY_LEN
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import tp_group
-from pagedllm.layers.packed_linear import PackedLinear
-from pagedllm.layers.quantization import MAX_GEMV_ROWS, Int4Linear, Int8Linear
+from pagedllm.layers.quantization import (
+    MAX_GEMV_ROWS,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    UnquantizedLinearMethod,
+)
 
 
 class NotFusable(Exception):
     """Why a model's layers cannot run as the fused decoder (the modules run instead)."""
 
 
-def _linear(module: nn.Module, dtype: torch.dtype):
-    ops = kernels.cpu_ops()
-    bias = None if module.bias is None else module.bias.detach()
-    if isinstance(module, Int4Linear):
-        return ops.Linear.int4(*module._codes(), bias)
-    if isinstance(module, Int8Linear):
-        return ops.Linear.int8(*module._codes(), bias)
-    if isinstance(module, PackedLinear):
-        return ops.Linear.packed(module.packed_weight, bias)
-    if type(module) is nn.Linear and module.weight.dtype == dtype:
-        return ops.Linear.dense(module.weight.detach(), bias)
-    raise NotFusable(f"a {type(module).__name__} projection")
+def _linear(layer: nn.Module, dtype: torch.dtype):
+    """The kernel's view of a linear layer (layers/linear.py), by its quant_method."""
+    ops, method = kernels.cpu_ops(), layer.quant_method
+    bias = None if layer.bias is None else layer.bias.detach()
+    if isinstance(method, Int4LinearMethod):
+        return ops.Linear.int4(*method.codes(layer), bias)
+    if isinstance(method, Int8LinearMethod):
+        return ops.Linear.int8(*method.codes(layer), bias)
+    if isinstance(method, UnquantizedLinearMethod):
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None:
+            return ops.Linear.packed(packed, bias)
+        if layer.weight.dtype == dtype:
+            return ops.Linear.dense(layer.weight.detach(), bias)
+    raise NotFusable(f"a {type(method).__name__} projection")
 
 
 class FusedDecoder:
     def __init__(self, model: nn.Module, config: ModelArchConfig):
-        """`model`: a LlamaModel, loaded (and quantized or packed) for good."""
+        """`model`: a LlamaModel, loaded and processed (prepacked) for good."""
         if not kernels.available():
             raise NotFusable("the C++ kernels are not available")
         if tp_group().size > 1:
@@ -66,7 +73,9 @@ class FusedDecoder:
             if a.attn.backend.name != "cpu" or a.attn.logits_soft_cap is not None:
                 raise NotFusable(f"attention backend {a.attn.backend.name}")
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            quantized |= any(isinstance(m, (Int4Linear, Int8Linear)) for m in linears)
+            quantized |= any(
+                isinstance(m.quant_method, (Int4LinearMethod, Int8LinearMethod)) for m in linears
+            )
             self.decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),

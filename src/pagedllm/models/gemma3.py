@@ -10,7 +10,8 @@ What differs from Llama:
   - optional tanh soft-capping of attention scores and of the final logits (released Gemma 3
     configs leave attn_logit_softcapping null, and HF's Gemma3 ignores it; we apply it when set,
     as Gemma 2 does).
-Checkpoint names and the fused q/k/v, gate/up packing are Llama's, so loading is shared.
+Checkpoint names, the packed q/k/v and gate/up layers and the tensor-parallel split are
+Llama's, so loading is shared.
 """
 
 from __future__ import annotations
@@ -19,30 +20,41 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed import gather_vocab
 from pagedllm.layers.activation import GeluTanhAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagedllm.models.llama import LlamaForCausalLM
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: str, dtype):
+    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: str, dtype, quant_config,
+                 prefix: str):  # fmt: skip
         super().__init__()
-        h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.head_dim = d
-        self.q_size, self.kv_size = h * d, kvh * d
+        d = self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=bias, dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads, bias,
+            dtype, quant_config, f"{prefix}.qkv_proj",
+        )  # fmt: skip
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, bias, dtype, quant_config,
+            f"{prefix}.o_proj", input_shard=self.qkv_proj.output_columns,
+        )  # fmt: skip
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps, dtype)
         scalar = config.query_pre_attn_scalar or d
+        heads = self.qkv_proj.head_shard  # this rank's
         self.attn = Attention(
-            h,
+            heads.num_heads,
             d,
             scalar**-0.5,
-            kvh,
+            heads.num_kv_heads,
             backend,
             sliding_window=config.layer_sliding_window(layer_idx),
             logits_soft_cap=config.attn_logit_softcapping,
@@ -60,11 +72,15 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, config: ModelArchConfig, dtype):
+    def __init__(self, config: ModelArchConfig, dtype, quant_config, prefix: str):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], False, dtype, quant_config, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            inter, hidden, False, dtype, quant_config, f"{prefix}.down_proj"
+        )
         self.act_fn = GeluTanhAndMul()
 
     def forward(self, x):
@@ -72,12 +88,15 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: str, dtype):
+    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: str, dtype, quant_config,
+                 prefix: str):  # fmt: skip
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.is_sliding = config.layer_sliding_window(layer_idx) is not None
-        self.self_attn = Gemma3Attention(config, layer_idx, backend, dtype)
-        self.mlp = Gemma3MLP(config, dtype)
+        self.self_attn = Gemma3Attention(
+            config, layer_idx, backend, dtype, quant_config, f"{prefix}.self_attn"
+        )
+        self.mlp = Gemma3MLP(config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
@@ -93,19 +112,30 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: ModelArchConfig, backend: str, dtype):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        backend: str,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str = "model",
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        # A float32 scalar, cast to the weights' dtype at use (bfloat16 rounds it, as in HF).
-        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # In the weights' dtype (bfloat16 rounds it, as in HF), from a float32 scalar.
+        scale = torch.tensor(config.hidden_size**0.5).to(dtype)
+        self.register_buffer("embed_scale", scale, persistent=False)
         d, max_pos = config.head_dim, config.max_position_embeddings
         # Two RoPE tables: full-attention layers use rope_theta (+ scaling), sliding ones the
         # local base without scaling.
-        self.rotary_emb_global = RotaryEmbedding(d, max_pos, config.rope_theta, config.rope_scaling)
+        self.rotary_emb_global = RotaryEmbedding(
+            d, max_pos, config.rope_theta, config.rope_scaling, dtype=dtype
+        )
         local_base = config.rope_local_base_freq or config.rope_theta
-        self.rotary_emb_local = RotaryEmbedding(d, max_pos, local_base)
+        self.rotary_emb_local = RotaryEmbedding(d, max_pos, local_base, dtype=dtype)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, backend, dtype) for i in range(config.num_hidden_layers)
+            Gemma3DecoderLayer(config, i, backend, dtype, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -123,14 +153,17 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Llama's wrapper (HF parameter names, fused-projection loading, tied embeddings) around
-    Gemma 3's decoder, with its final-logit soft-capping."""
+    """Llama's wrapper (HF parameter names, packed layers, tied embeddings) around Gemma 3's
+    decoder, with its final-logit soft-capping."""
 
     model_class = Gemma3Model
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden] -> [N, vocab] float32, soft-capped if the config says so."""
-        logits = self.lm_head(hidden_states)
+        """hidden_states [N, hidden] -> [N, vocab] float32, soft-capped if the config says so
+        (None on ranks other than 0)."""
+        logits = gather_vocab(self.lm_head(hidden_states), self.config.vocab_size)
+        if logits is None:
+            return None
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -1,0 +1,37 @@
+"""Each linear layer's weight format (its quant_method): float (unquantized.py; prepacked for
+oneDNN in bfloat16 on CPU) or weight-only int8 / int4 codes (int_linear.py, codes.py), chosen
+per layer by QuantizationConfig (config.py) when the model is built."""
+
+from pagedllm.layers.quantization.base import LinearMethodBase
+from pagedllm.layers.quantization.codes import (
+    BLOCK,
+    Int4Weight,
+    Int8Weight,
+    QuantWeight,
+    pack_int4,
+    unpack_int4,
+)
+from pagedllm.layers.quantization.config import QuantizationConfig, layers_with_codes
+from pagedllm.layers.quantization.int_linear import (
+    MAX_GEMV_ROWS,
+    Int4LinearMethod,
+    Int8LinearMethod,
+)
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, can_pack
+
+__all__ = [
+    "BLOCK",
+    "MAX_GEMV_ROWS",
+    "Int4LinearMethod",
+    "Int4Weight",
+    "Int8LinearMethod",
+    "Int8Weight",
+    "LinearMethodBase",
+    "QuantWeight",
+    "QuantizationConfig",
+    "UnquantizedLinearMethod",
+    "can_pack",
+    "layers_with_codes",
+    "pack_int4",
+    "unpack_int4",
+]

@@ -1,0 +1,151 @@
+"""Weight-only int8 / int4 linear layers for CPU: the weights stay quantized in memory, in ggml's
+blocks of 32 input channels (codes.py), and activations stay in the model's float dtype.
+
+int4: w = q * scale + min, q in 0..15, a float16 scale and min per group of 32 input channels.
+int8: w = q * scale, q in -127..127, a float16 scale per group (ggml's Q8_0).
+
+pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply a few rows of activations by
+the codes directly (decode: bound by reading the weights); for more rows (prefill, big batches)
+the layer expands its weight to the activations' dtype and runs a float GEMM, which is
+compute-bound there. Without the kernels, the weight is expanded by torch on every call (slow,
+but the same numbers).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm import kernels
+from pagedllm.layers.quantization.base import LinearMethodBase
+from pagedllm.layers.quantization.codes import (
+    BLOCK,
+    Int4Weight,
+    Int8Weight,
+    QuantWeight,
+    pack_int4,
+    unpack_int4,
+)
+
+# Up to this many rows the kernels multiply the codes directly; above, expand and run a GEMM.
+# Measured on this project's 2-core AVX-512 machine (docs/performance.md).
+MAX_GEMV_ROWS = 16
+# Rows of a float weight quantized at a time (rows quantize on their own).
+_QUANTIZE_ROWS = 4096
+# dtype -> a buffer for expanded weights, per thread (engines stepped on two threads must not
+# share it); see _BlockQuantMethod.weight_as.
+_SCRATCH = threading.local()
+
+
+class _BlockQuantMethod(LinearMethodBase):
+    """The layer holds `weight` (the codes, a parameter), `weight_scale` (and for int4
+    `weight_min`), float16 buffers [rows, columns / 32], all zeros until loaded: the padding
+    rows of a vocabulary shard stay zero weights."""
+
+    bits: int
+    codes_cls: type[QuantWeight]
+
+    def __init__(self, takes_codes: bool = False, tied: bool = False):
+        """takes_codes: the checkpoint's own codes are loaded as they are. tied: the layer is a
+        tied LM head, whose float weight is the embedding's (no float bytes of its own)."""
+        self.takes_codes, self.tied = takes_codes, tied
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
+        codes = torch.zeros(rows, cols * self.bits // 8, dtype=self._code_dtype)
+        layer.weight = nn.Parameter(codes, requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        for name in self._scale_names:
+            layer.register_buffer(name, torch.zeros(rows, cols // BLOCK, dtype=torch.float16))
+        self.dtype = dtype  # float slices round to it before quantizing, as the float model's
+
+    def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantWeight, row: int) -> None:
+        if isinstance(loaded, torch.Tensor):
+            # Rows at a time: quantizing takes a few float32 copies of what it is given.
+            for start in range(0, loaded.shape[0], _QUANTIZE_ROWS):
+                part = loaded[start : start + _QUANTIZE_ROWS].to(self.dtype)
+                self._write(layer, self.codes_cls.from_float(part), row + start)
+            return
+        if not isinstance(loaded, self.codes_cls):
+            raise ValueError(f"has {type(loaded).__name__} codes, not int{self.bits}")
+        self._write(layer, loaded, row)
+
+    def _write(self, layer: nn.Module, loaded: QuantWeight, row: int) -> None:
+        rows = slice(row, row + loaded.shape[0])
+        layer.weight.data[rows] = self._packed(loaded.q)
+        layer.weight_scale[rows] = loaded.scale.to(torch.float16)
+        if self.bits == 4:
+            layer.weight_min[rows] = loaded.min.to(torch.float16)
+
+    def codes(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
+        """The kernels' arguments after x (or out): codes, scales[, mins]."""
+        return (layer.weight, *(getattr(layer, name) for name in self._scale_names))
+
+    def nbytes(self, layer: nn.Module) -> int:
+        return sum(t.nbytes for t in self.codes(layer))
+
+    def float_bytes(self, layer: nn.Module) -> int:
+        """What the weight took in the model's dtype (a tied head's: nothing of its own)."""
+        numel = layer.output_size_per_partition * layer.input_size_per_partition
+        return 0 if self.tied else numel * self.dtype.itemsize
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2d = x.reshape(-1, layer.input_size_per_partition)
+        if x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x):
+            y = getattr(kernels.cpu_ops(), f"int{self.bits}_linear")(
+                x2d.contiguous(), *self.codes(layer)
+            )
+        else:
+            y = F.linear(x2d, self.weight_as(layer, x.dtype))
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.view(*x.shape[:-1], layer.output_size_per_partition)
+
+    def weight_as(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [N, K] in `dtype`. With the kernels it is expanded into a scratch
+        buffer shared by all layers (valid until the next layer's call): a fresh tensor of
+        megabytes per call costs its page faults again each time."""
+        if not kernels.available():
+            return self.dequantize(layer).to(dtype)
+        rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
+        buffers = _SCRATCH.__dict__
+        scratch = buffers.get(dtype)
+        if scratch is None or scratch.numel() < rows * cols:
+            scratch = buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+        out = scratch[: rows * cols].view(rows, cols)
+        getattr(kernels.cpu_ops(), f"int{self.bits}_dequantize")(out, *self.codes(layer))
+        return out
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """float32 [N, K], rounded as the kernels round (one fused multiply-add for int4)."""
+        raise NotImplementedError
+
+
+class Int8LinearMethod(_BlockQuantMethod):
+    bits, codes_cls = 8, Int8Weight
+    _code_dtype, _scale_names = torch.int8, ("weight_scale",)
+
+    def _packed(self, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        scale = layer.weight_scale.float().repeat_interleave(BLOCK, dim=1)
+        return layer.weight.float() * scale
+
+
+class Int4LinearMethod(_BlockQuantMethod):
+    bits, codes_cls = 4, Int4Weight
+    _code_dtype, _scale_names = torch.uint8, ("weight_scale", "weight_min")
+
+    def _packed(self, q: torch.Tensor) -> torch.Tensor:
+        return pack_int4(q)  # two codes a byte, in ggml's order
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return torch.addcmul(
+            layer.weight_min.float().repeat_interleave(BLOCK, dim=1),
+            unpack_int4(layer.weight).float(),
+            layer.weight_scale.float().repeat_interleave(BLOCK, dim=1),
+        )

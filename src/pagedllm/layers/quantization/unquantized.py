@@ -1,0 +1,62 @@
+"""Float weights in the model's dtype; on CPU, bfloat16 ones prepacked once for oneDNN.
+
+torch's plain bfloat16 F.linear on CPU reorders the weight into oneDNN's blocked layout on every
+call; packing it once after loading (`mkldnn._reorder_linear_weight`, what torch.compile's CPU
+freezing does) and calling `mkldnn._linear_pointwise` skips that: 1.3-1.9x faster per projection
+on this project's AVX-512/AMX machine at 1 to 64 rows, and the same results
+(docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.cpu_info import cpu_flags
+from pagedllm.layers.quantization.base import LinearMethodBase
+
+# Rows the packing is tuned for (any row count works): a decode batch's size.
+BATCH_HINT = 64
+# What oneDNN's bfloat16 reorder needs of the CPU (it refuses to pack without).
+_ONEDNN_BF16 = ({"avx_ne_convert"}, {"avx512bw", "avx512vl", "avx512dq"})
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and any(need <= cpu_flags() for need in _ONEDNN_BF16)
+    )
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def __init__(self, prepack: bool = False):
+        """prepack: replace the weight by a oneDNN-packed copy after loading (bfloat16 on CPU);
+        a weight another module shares (a tied LM head's) stays there, the copy is the head's."""
+        self.prepack = prepack
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
+        layer.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+
+    def load_weight(self, layer: nn.Module, loaded: torch.Tensor, row: int) -> None:
+        layer.weight.data[row : row + loaded.shape[0]].copy_(loaded)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.prepack:
+            return
+        weight = layer.weight.detach()
+        # An opaque oneDNN tensor, neither a parameter nor a buffer: module.to() and
+        # state_dict() leave it alone; weight_bytes counts `nbytes`.
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        layer.nbytes = weight.numel() * weight.element_size()
+        del layer.weight
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)
+        if packed is None:
+            return F.linear(x, layer.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -1,0 +1,87 @@
+"""The embedding and the LM head over this rank's rows of the vocabulary (distributed/parallel.py:
+vocab_shard, the vocabulary padded to a multiple of the ranks). The embedding's tokens of other
+ranks' rows embed as zeros, and the all-reduce adds the one rank's row that holds each; the
+head's logits are gathered to rank 0 by the model (gather_vocab). With one rank the embedding is
+nn.Embedding exactly and the head a plain linear layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import all_reduce, tp_group, vocab_shard
+from pagedllm.layers.linear import LinearBase, Loaded, Shard
+from pagedllm.layers.quantization import QuantizationConfig, UnquantizedLinearMethod
+from pagedllm.layers.weight_utils import check_shape, narrow
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.vocab_start, self.num_embeddings = vocab_shard(vocab_size)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        self.tp_size = tp_group().size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        check_shape(loaded, (self.vocab_size, self.hidden_size))
+        part = _rows(loaded, self.vocab_start, self.num_embeddings)
+        param.data[: part.shape[0]].copy_(part)
+        param.data[part.shape[0] :].zero_()  # padding rows
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(torch.where(mine, local, 0), self.weight)
+        return all_reduce(out.masked_fill_(~mine[:, None], 0))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.hidden_size} (from {self.vocab_start})"
+
+
+class ParallelLMHead(LinearBase):
+    """hidden -> this rank's vocabulary rows of the logits (padding rows: zero weights)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "lm_head",
+        tied: bool = False,
+    ):
+        """tied: the head's weight is the embedding's (tie_weights); a quantized one holds its
+        own int8 codes of it, loaded from the embedding's checkpoint tensor."""
+        start, rows = vocab_shard(vocab_size)
+        super().__init__(
+            hidden_size, vocab_size, input_shard=(0, hidden_size),
+            output_shards=[Shard(vocab_size, start, rows)], bias=False, dtype=dtype,
+            quant_config=quant_config, prefix=prefix, tied=tied,
+        )  # fmt: skip
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        if isinstance(self.quant_method, UnquantizedLinearMethod):
+            self.weight = embedding.weight
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        check_shape(loaded, (self.output_size, self.input_size))
+        shard = self.output_shards[0]
+        part = _rows(loaded, shard.start, shard.rows)
+        self.quant_method.load_weight(self, part, 0)
+        padding = shard.rows - part.shape[0]
+        if padding:
+            zeros = torch.zeros(padding, self.input_size, dtype=torch.float32)
+            self.quant_method.load_weight(self, zeros, part.shape[0])
+
+
+def _rows(loaded: Loaded, start: int, rows: int) -> Loaded:
+    """Rows start.. of `loaded`, as many of `rows` as there are (the last rank's are fewer)."""
+    start = min(start, loaded.shape[0])
+    return narrow(loaded, 0, start, min(rows, loaded.shape[0] - start))
