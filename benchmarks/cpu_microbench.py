@@ -3,7 +3,8 @@
 - attention: the C++ kernel (`cpu` backend, all rows through the kernel) vs the SDPA backend,
   one thread, 9 query heads / 3 KV heads / head_dim 64, blocks of 16 (--attention);
 - linear: F.linear's GFLOP/s at a decode shape in float32 and bfloat16; plain F.linear vs a
-  oneDNN-prepacked PackedLinear, at 1 and 64 rows, on the main thread and on another (--linear);
+  linear layer whose weight is prepacked for oneDNN, at 1 and 64 rows, on the main thread and on
+  another (--linear);
 - quantized: the default model's 120 projections (30 layers of qkv, o, gate_up, down, random
   weights, cold: 66 MB of int4 codes go by before a layer comes again) at 1-32 rows through
   the int4 layer's two paths (codes times rows; weight expanded for a GEMM) and torch's own int4
@@ -23,9 +24,29 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for build_batch
 
+from pagedllm import kernels  # noqa: E402
 from pagedllm.attention import paged_attention_sdpa, write_kv_cache  # noqa: E402
 from pagedllm.attention.cpu import paged_attention_cpu  # noqa: E402
-from pagedllm.layers.packed_linear import PackedLinear  # noqa: E402
+from pagedllm.layers.linear import ColumnParallelLinear  # noqa: E402
+from pagedllm.layers.quantization import QuantizationConfig  # noqa: E402
+
+
+def layer(weight, method: str = "none", dtype=torch.bfloat16, prepack: bool = False):
+    """A linear layer holding `weight` (float, or codes its method takes as they are), loaded
+    and processed as the model loader does."""
+    rows, cols = weight.shape
+    config = QuantizationConfig(method, prepack, frozenset({"w"}))
+    lin = ColumnParallelLinear(cols, rows, bias=False, dtype=dtype, quant_config=config, prefix="w")
+    lin.weight_loader(lin.weight, weight)
+    lin.quant_method.process_weights_after_loading(lin)
+    return lin
+
+
+def codes_times_rows(lin, x):
+    """The int4 / int8 kernel on the codes, whatever the row count (the layer switches to an
+    expanded GEMM above MAX_GEMV_ROWS)."""
+    method = lin.quant_method
+    return getattr(kernels.cpu_ops(), f"int{method.bits}_linear")(x, *method.codes(lin))
 
 
 def per_call_us(fn, n: int = 20, clock=time.perf_counter) -> float:
@@ -63,7 +84,7 @@ def attention() -> None:
 
 def linear() -> None:
     w = torch.randn(3072, 576).bfloat16()
-    packed = PackedLinear(w, None)
+    packed = layer(w, prepack=True)
     xs = {rows: torch.randn(rows, 576).bfloat16() for rows in (1, 64)}
 
     def run(where: str) -> None:
@@ -84,12 +105,12 @@ def linear() -> None:
 
 
 def quantized() -> None:
-    from pagedllm.layers.quantization import Int4Linear, Int4Weight, Int8Linear
+    from pagedllm.layers.quantization import Int4Weight, Int8Weight
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     torch.manual_seed(0)
     codes = [Int4Weight.from_float(torch.randn(n, k)) for _ in range(30) for n, k in shapes]
-    layers = [Int4Linear(c, None, torch.bfloat16) for c in codes]
+    layers = [layer(c, "int4") for c in codes]
     # torch's own int4 kernel on the same codes, in its layout (zero = min + 8 * scale)
     torch_int4 = [
         (
@@ -103,22 +124,23 @@ def quantized() -> None:
     def seconds(fn) -> float:
         return min(per_call_us(fn, 3) for _ in range(3)) / 1e6
 
-    mb = sum(lyr.nbytes for lyr in layers) / 1e6
+    mb = sum(lyr.quant_method.nbytes(lyr) for lyr in layers) / 1e6
     for rows in (1, 2, 4, 8, 16, 32):
         xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
-        gemv = seconds(lambda xs=xs: [lyr._gemv(xs[lyr.in_features]) for lyr in layers])
-        expand = seconds(lambda xs=xs: [F.linear(xs[lyr.in_features], lyr.weight_as(torch.bfloat16))
-                                  for lyr in layers])  # fmt: skip
+        gemv = seconds(lambda xs=xs: [codes_times_rows(lyr, xs[lyr.input_size]) for lyr in layers])
+        expand = seconds(lambda xs=xs: [
+            F.linear(xs[lyr.input_size], lyr.quant_method.weight_as(lyr, torch.bfloat16))
+            for lyr in layers])  # fmt: skip
         ref = seconds(lambda xs=xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], p, 32, sz)
                                for p, sz, k in torch_int4])  # fmt: skip
         print(f"int4, 120 projections ({mb:.0f} MB), {rows} rows: codes x rows "
               f"{gemv * 1e3:.2f} ms ({mb / 1e3 / gemv:.1f} GB/s), expanded + GEMM "
               f"{expand * 1e3:.2f} ms, torch's int4 kernel {ref * 1e3:.2f} ms")  # fmt: skip
     head = torch.randn(49152, 576).bfloat16()
-    int8_head, bf16_head = Int8Linear.from_float(head), PackedLinear(head, None)
+    int8_head, bf16_head = layer(Int8Weight.from_float(head), "int8"), layer(head, prepack=True)
     for rows in (1, 4):
         x = torch.randn(rows, 576).bfloat16()
-        int8_ms = seconds(lambda x=x: int8_head._gemv(x)) * 1e3
+        int8_ms = seconds(lambda x=x: codes_times_rows(int8_head, x)) * 1e3
         bf16_ms = seconds(lambda x=x: bf16_head(x)) * 1e3
         print(f"LM head 49152x576, {rows} rows: int8 codes {int8_ms:.2f} ms, "
               f"prepacked bf16 {bf16_ms:.2f} ms")  # fmt: skip

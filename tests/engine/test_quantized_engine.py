@@ -19,6 +19,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.arg_utils import auto_dtype
 from pagedllm.layers.quantization import Int4LinearMethod, Int8LinearMethod
 from pagedllm.model_loader import load_gguf, resolve_model
+from tests.conftest import runner_of
 
 pytestmark = pytest.mark.slow
 
@@ -73,10 +74,10 @@ def test_int4_float32_reproduces_the_float_model(reference):
     engine, tokens, mean_diff, agreement = _quantized(
         reference, dtype="float32", quantization="int4"
     )
-    layer = engine.model.model.layers[0]
+    layer = runner_of(engine).model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.quant_method, Int4LinearMethod)
     assert isinstance(layer.mlp.down_proj.quant_method, Int4LinearMethod)
-    head = engine.model.lm_head.quant_method  # the tied head: the Q8_0 embedding's codes
+    head = runner_of(engine).model.lm_head.quant_method  # the tied head: the Q8_0 embedding's codes
     assert isinstance(head, Int8LinearMethod) and head.takes_codes
     # float32 embedding (for lookups) 113 MB + int8 LM head 30 + int4 projections 66, of 540
     assert engine.weight_bytes < 0.42 * reference[3]
@@ -88,7 +89,9 @@ def test_int4_float32_reproduces_the_float_model(reference):
 def test_int8_agrees_closely(reference):
     engine, tokens, mean_diff, agreement = _quantized(reference, quantization="int8")
     assert engine.dtype == auto_dtype(torch.device("cpu"))
-    assert isinstance(engine.model.model.layers[0].self_attn.o_proj.quant_method, Int8LinearMethod)
+    assert isinstance(
+        runner_of(engine).model.model.layers[0].self_attn.o_proj.quant_method, Int8LinearMethod
+    )
     # The embedding in the engine's dtype (57 MB in bfloat16, 113 in float32), and about 1.07
     # bytes a weight (a float16 scale per 32 codes) for the int8 LM head 30 MB and projections
     # 113 MB, of 540 in float32.

@@ -19,7 +19,8 @@ namespace pagedllm {
 namespace {
 
 // oneDNN's product with a weight prepacked by mkldnn._reorder_linear_weight
-// (layers/packed_linear.py), through the dispatcher as torch.ops.mkldnn._linear_pointwise.
+// (layers/quantization/unquantized.py), through the dispatcher as
+// torch.ops.mkldnn._linear_pointwise.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias) {
   static const auto op =

@@ -6,7 +6,7 @@
 // this one keeps ggml's layout and float16 scales (a GGUF's blocks exactly), takes float32
 // activations at full speed, and a single bfloat16 row with AVX512-BF16 dot products; each
 // thread streams its own rows, prefetched ahead. Many rows are left to a float GEMM on the
-// expanded weight (`*_dequantize`, layers/quantization.py).
+// expanded weight (`*_dequantize`, layers/quantization/int_linear.py).
 //
 // Layout (per output row n, groups g of group_size = K / G input channels, a multiple of 32):
 //   int4: qweight uint8 [N, K / 2]; in each 32-weight block, byte i holds weight i in its low
