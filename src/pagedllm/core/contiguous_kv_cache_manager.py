@@ -229,7 +229,7 @@ class ContiguousKVCacheManager:
         table = self.req_to_blocks[request.seq_id]
         new_blocks = self.blocks[start + len(table) : start + needed]
         table.extend(new_blocks)
-        return Allocation((new_blocks,))
+        return Allocation((new_blocks,), [])
 
     def free(self, request: Request) -> None:
         region = self.regions.pop(request.seq_id, None)

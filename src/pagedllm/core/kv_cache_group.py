@@ -18,6 +18,8 @@ once); the device blocks are freed. On resume they move back to fresh device blo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pagedllm.core.block_hash import update_block_hashes
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_interface import BlockPair
@@ -27,6 +29,7 @@ from pagedllm.request import Request
 # A released table entry of a sliding-window group: no block, never read (its id is a
 # placeholder the attention backends skip, since it lies before every query's window).
 NULL_BLOCK = KVCacheBlock(block_id=0, ref_cnt=-1)
+_NO_BLOCKS: tuple[KVCacheBlock, ...] = ()  # what most decode steps allocate
 
 
 def live_blocks(blocks) -> list[KVCacheBlock]:
@@ -158,7 +161,7 @@ class KVCacheGroup:
 
     def allocate(
         self, request: Request, num_new_tokens: int, hits: list[KVCacheBlock]
-    ) -> tuple[list[KVCacheBlock], BlockPair | None]:
+    ) -> tuple[Sequence[KVCacheBlock], BlockPair | None]:
         """Grow the sequence's table for `num_new_tokens` (room checked by the caller): the new
         blocks appended to it, and the copy-on-write pair if it had to copy a shared block."""
         req_id = request.seq_id
@@ -177,8 +180,10 @@ class KVCacheGroup:
             self.block_pool.touch(live_blocks(hits))
             blocks.extend(hits)
             self.num_cached_blocks[req_id] = len(hits)
-        new_blocks = self.block_pool.allocate(num_new_blocks) if num_new_blocks else []
-        blocks.extend(new_blocks)
+        new_blocks = _NO_BLOCKS
+        if num_new_blocks:
+            new_blocks = self.block_pool.allocate(num_new_blocks)
+            blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
             self._cache_full_blocks(request, blocks, num_tokens // self.block_size)

@@ -10,9 +10,8 @@ keeps no list of moves pending.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.request import Request
@@ -22,14 +21,14 @@ from pagedllm.request import Request
 BlockPair = tuple[int, int]
 
 
-@dataclass(frozen=True)
-class Allocation:
+class Allocation(NamedTuple):
     """What one sequence's allocation took from the pool: per KV cache group, the new blocks
     appended to its block table (prefix-cache hits not included), and the copy-on-write pairs
-    whose destination replaced a shared block the sequence is about to write into."""
+    whose destination replaced a shared block the sequence is about to write into. (A named
+    tuple: the scheduler makes one per scheduled sequence every step.)"""
 
-    new_blocks: tuple[list[KVCacheBlock], ...]
-    blocks_to_copy: list[BlockPair] = field(default_factory=list)
+    new_blocks: tuple[Sequence[KVCacheBlock], ...]
+    blocks_to_copy: list[BlockPair]
 
 
 @runtime_checkable

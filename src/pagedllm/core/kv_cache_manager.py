@@ -44,6 +44,7 @@ class KVCacheManager:
             KVCacheGroup(g, self.block_pool, block_size, window, enable_prefix_caching)
             for g, window in enumerate(sliding_windows)
         ]
+        self._no_hits = tuple(() for _ in self.groups)  # a running sequence's: no prefix hits
         # The swap space: CPU blocks, the same layout as the device pool.
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.num_copied_blocks = 0  # copy-on-write copies handed out
@@ -128,22 +129,23 @@ class KVCacheManager:
         head of its tables; the caller then sets `num_computed_tokens` to the tokens they hold.
         Passing them (even empty) marks an admission and counts it in the hit statistics.
         """
-        hits = new_computed_blocks or [[] for _ in self.groups]
-        cost = sum(
-            group.allocation_cost(request, num_new_tokens, group_hits)
-            for group, group_hits in zip(self.groups, hits, strict=True)
-        )
+        # Once per scheduled sequence every step: plain loops, no temporaries beyond the result.
+        groups = self.groups
+        hits = new_computed_blocks or self._no_hits
+        cost = 0
+        for group, group_hits in zip(groups, hits, strict=True):
+            cost += group.allocation_cost(request, num_new_tokens, group_hits)
         if cost > self.block_pool.num_free_blocks:
             return None
-        for group in self.groups:  # released blocks first: the others may need them
+        for group in groups:  # released blocks first: the others may need them
             group.release(request)
         new_blocks, blocks_to_copy = [], []
-        for group, group_hits in zip(self.groups, hits, strict=True):
+        for group, group_hits in zip(groups, hits, strict=True):
             blocks, copy_pair = group.allocate(request, num_new_tokens, group_hits)
             new_blocks.append(blocks)
             if copy_pair is not None:
                 blocks_to_copy.append(copy_pair)
-        self.num_copied_blocks += len(blocks_to_copy)
+                self.num_copied_blocks += 1
         if new_computed_blocks is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(hits[0]) * self.block_size

@@ -198,16 +198,22 @@ class Scheduler:
     @staticmethod
     def _add_to_step(out: SchedulerOutput, plan: list[tuple[Request, int]]) -> int:
         """Schedule the planned tokens; returns how many."""
+        total = 0
         for seq, num_new in plan:
             out.scheduled_requests.append(seq)
             out.num_scheduled_tokens[seq.seq_id] = num_new
-        return sum(num_new for _, num_new in plan)
+            total += num_new
+        return total
 
-    def _allocate(self, seq: Request, num_new: int, out: SchedulerOutput) -> None:
-        """Allocate for a sequence whose room the caller counted; its copies join the step."""
-        allocation = self.kv_cache_manager.allocate_slots(seq, num_new)
-        assert allocation is not None, "the room was counted"
-        out.blocks_to_copy += allocation.blocks_to_copy
+    def _allocate(self, plan: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+        """Allocate for planned sequences whose room the caller counted; their copies join the
+        step. (Once per scheduled sequence every step: kept lean.)"""
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        for seq, num_new in plan:
+            allocation = allocate_slots(seq, num_new)
+            assert allocation is not None, "the room was counted"
+            if allocation.blocks_to_copy:
+                out.blocks_to_copy.extend(allocation.blocks_to_copy)
 
     def _plan_tokens(
         self, seqs: list[Request], budget: int, num_computed: list[int] | None = None
@@ -274,8 +280,7 @@ class Scheduler:
         self.swapped.pop(0)
         out.blocks_to_swap_in += kv.swap_in(group.seqs)
         self._start_running(group)
-        for seq, num_new in plan:
-            self._allocate(seq, num_new, out)
+        self._allocate(plan, out)
         return plan
 
     def _admit(
@@ -325,8 +330,7 @@ class Scheduler:
             preempted.append(victim)
             if victim is group:
                 return False
-        for seq, num_new in plan:
-            self._allocate(seq, num_new, out)
+        self._allocate(plan, out)
         return True
 
     def _preempt(self, group: SequenceGroup) -> list[BlockPair]:
