@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from pagedllm.cpu_info import has_native_bf16
 from tests.server_process import start_server
 
 pytestmark = pytest.mark.slow
@@ -58,9 +59,11 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
     _require(os.path.exists(CHROMIUM), "Debian's chromium is not installed")
     sync_api = pytest.importorskip("playwright.sync_api")
     key = "sk-" + uuid.uuid4().hex
+    # The same number of blocks whatever the default dtype: float32 blocks take twice the bytes.
+    scale = 1 if has_native_bf16() else 2
     flags = [
-        "--max-model-len", "512", "--kv-cache-memory", "48MiB", "--preemption-mode", "swap",
-        "--swap-space", "0.012", "--api-key", key,
+        "--max-model-len", "512", "--kv-cache-memory", f"{48 * scale}MiB",
+        "--preemption-mode", "swap", "--swap-space", f"{0.012 * scale}", "--api-key", key,
     ]  # fmt: skip
     proc, url, lines = start_server(flags, timeout=180)
     stop = threading.Event()
