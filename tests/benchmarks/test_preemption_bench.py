@@ -9,16 +9,16 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import common, preemption
-from benchmarks.preemption import (
+from benchmarks import common, preemption, preemption_pool
+from benchmarks.preemption_pool import (
     compare_outputs,
     fitting_max_model_len,
     format_throughput_table,
-    measure_recovery,
     pool_blocks,
     pool_demand,
     request_blocks,
 )
+from benchmarks.preemption_recovery import measure_recovery
 from pagedllm.config import EngineArgs
 
 
@@ -228,15 +228,15 @@ def test_throughput_part_on_a_tiny_model(tiny_model, tmp_path, capsys):
 
 
 def test_throughput_part_reports_a_mismatch(tiny_model, tmp_path, monkeypatch, capsys):
-    real = preemption.run_pool
+    real = preemption_pool.run_pool
 
     def corrupt_small_pools(engine, requests):
         run = real(engine, requests)
-        if engine.num_blocks < preemption.pool_demand(requests, engine.block_size):
+        if engine.num_blocks < preemption_pool.pool_demand(requests, engine.block_size):
             run["token_ids"][0] = [t + 1 for t in run["token_ids"][0]]
         return run
 
-    monkeypatch.setattr(preemption, "run_pool", corrupt_small_pools)
+    monkeypatch.setattr(preemption_pool, "run_pool", corrupt_small_pools)
     out = tmp_path / "mismatch.json"
     # 10% of 108 blocks is below one request of max_model_len 96 (24 blocks): raised to it.
     ns = _throughput_ns(out, "--modes", "swap", "--pool-fractions", "0.1")
