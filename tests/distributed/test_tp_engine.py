@@ -100,10 +100,15 @@ def test_head_split_is_checked_before_starting(checkpoint):
     assert tp_group().size == 1
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize(
+    ("checkpoint", "quantization"), [(1, "int8"), (2, "int4")],
+    ids=["kv_heads1-int8", "kv_heads2-int4"], indirect=["checkpoint"],
+)  # fmt: skip
 def test_quantized_weights_on_two_ranks(checkpoint, quantization):
     """Each rank quantizes its slices of the weights (its input columns of o_proj and down_proj
-    whole groups of 32): one rank's tokens, its log-probabilities to float32 tolerance."""
+    whole groups of 32): one rank's tokens, its log-probabilities to float32 tolerance. One
+    head split per format, replicated KV heads with int8 and split ones with int4; the model-level
+    tests (test_tp_model.py) run both formats, made here and taken from a GGUF's codes."""
     expected = generate(LLM(model=checkpoint, quantization=quantization, **ENGINE))
     llm = LLM(model=checkpoint, tensor_parallel_size=2, quantization=quantization, **ENGINE)
     try:
