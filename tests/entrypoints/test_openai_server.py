@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from pagedllm.bench.utils import free_port
 from pagedllm.model_loader.loader import load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -25,15 +26,9 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, *args: str, env: dict | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [*PAGEDLLM, "serve", "--port", str(self.port), *FLAGS, *args],
