@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (the peer of `pagedllm bench peers`) from the llama.cpp
+# Build llama.cpp's `llama-server` (the peer of `python -m benchmarks.peers`) from the llama.cpp
 # sources vendored in the llama-cpp-python source distribution on PyPI.
 #
 # The Python package's own server handles one request at a time; llama-server has parallel
