@@ -8,9 +8,12 @@
 - quantized: the default model's 120 projections (30 layers of qkv, o, gate_up, down, random
   weights, cold: 66 MB of int4 codes go by before a layer comes again) at 1-32 rows through
   the int4 layer's two paths (codes times rows; weight expanded for a GEMM) and torch's own int4
-  kernel, then the tied LM head (49152 x 576) as int8 codes and as prepacked bf16 (--quantized).
+  kernel, then the tied LM head (49152 x 576) as int8 codes and as prepacked bf16 (--quantized);
+- dual: the same 120 projections as int4 codes and as float weights (float32; bfloat16
+  prepacked where oneDNN packs it) at 1-32 rows, and the row count up to which the codes win:
+  where `--quantization auto` switches (layers/quantization/dual.py) (--dual).
 
-    python benchmarks/cpu_microbench.py [--attention] [--linear] [--quantized]
+    python benchmarks/cpu_microbench.py [--attention] [--linear] [--quantized] [--dual]
 """
 
 import functools
@@ -28,7 +31,7 @@ from pagedllm import kernels  # noqa: E402
 from pagedllm.attention import paged_attention_sdpa, write_kv_cache  # noqa: E402
 from pagedllm.attention.cpu import paged_attention_cpu  # noqa: E402
 from pagedllm.layers.linear import ColumnParallelLinear  # noqa: E402
-from pagedllm.layers.quantization import QuantizationConfig  # noqa: E402
+from pagedllm.layers.quantization import QuantizationConfig, can_pack  # noqa: E402
 
 
 def layer(weight, method: str = "none", dtype=torch.bfloat16, prepack: bool = False):
@@ -146,8 +149,36 @@ def quantized() -> None:
               f"prepacked bf16 {bf16_ms:.2f} ms")  # fmt: skip
 
 
+def dual() -> None:
+    from pagedllm.layers.quantization import Int4Weight
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    torch.manual_seed(0)
+    codes = [Int4Weight.from_float(torch.randn(n, k)) for _ in range(30) for n, k in shapes]
+    int4 = [layer(c, "int4", torch.float32) for c in codes]
+    dtypes = [torch.float32] + [torch.bfloat16] * can_pack(torch.bfloat16, torch.device("cpu"))
+
+    def ms(fn) -> float:
+        return min(per_call_us(fn, 3) for _ in range(3)) / 1e3
+
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        dense = [layer(c.dequantize(), dtype=dtype, prepack=dtype == torch.bfloat16) for c in codes]
+        last_win = 0
+        for rows in (1, 2, 4, 8, 16, 24, 32, 48, 64):
+            xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+            t_codes = ms(lambda xs=xs: [codes_times_rows(w, xs[w.input_size]) for w in int4])
+            t_dense = ms(lambda xs=xs, dense=dense: [w(xs[w.input_size]) for w in dense])
+            last_win = rows if t_codes < t_dense else last_win
+            print(f"{name}, 120 projections, {rows} rows: int4 codes {t_codes:.2f} ms, "
+                  f"float weights {t_dense:.2f} ms ({t_dense / t_codes:.2f}x)")  # fmt: skip
+        print(f"{name}: the codes are faster up to {last_win} rows")
+
+
 if __name__ == "__main__":
-    chosen = set(sys.argv[1:]) or {"--attention", "--linear", "--quantized"}
+    chosen = set(sys.argv[1:]) or {"--attention", "--linear", "--quantized", "--dual"}
+    if "--dual" in chosen:
+        dual()
     if "--quantized" in chosen:
         quantized()
     if "--linear" in chosen:

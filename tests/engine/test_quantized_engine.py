@@ -17,7 +17,7 @@ from benchmarks.quantization import (
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.arg_utils import auto_dtype
-from pagedllm.layers.quantization import Int4LinearMethod, Int8LinearMethod
+from pagedllm.layers.quantization import DualLinearMethod, Int4LinearMethod, Int8LinearMethod
 from pagedllm.model_loader import load_gguf, resolve_model
 from tests.conftest import runner_of
 
@@ -29,7 +29,7 @@ ENGINE = dict(kv_cache_memory="128MiB", max_model_len=512)
 
 
 def test_quantization_flag_is_validated():
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
         EngineArgs(quantization="int3").validate()
 
 
@@ -49,7 +49,7 @@ def _generate(llm, prompts):
 @pytest.fixture(scope="module")
 def reference():
     """float32: prompts, greedy continuations, and their teacher-forced logprobs."""
-    llm = LLM(dtype="float32", **ENGINE)
+    llm = LLM(dtype="float32", quantization="none", **ENGINE)
     engine = llm.llm_engine
     prompts = [engine.tokenizer.encode(t) for t in PROMPTS[:NUM_PROMPTS]]
     continuations = _generate(llm, prompts)
@@ -82,6 +82,23 @@ def test_int4_float32_reproduces_the_float_model(reference):
     # float32 embedding (for lookups) 113 MB + int8 LM head 30 + int4 projections 66, of 540
     assert engine.weight_bytes < 0.42 * reference[3]
     # The same weights, summed in another order: the same greedy tokens, logprobs within noise.
+    assert tokens == reference[1]
+    assert agreement == 1.0 and mean_diff < 1e-3
+
+
+def test_auto_default_reproduces_the_float_model_with_both_copies(reference):
+    """The default (--quantization auto) on the Q4_1 GGUF: the GGUF's codes beside the float
+    weights; prompts (more rows) take the float copy, the 4 requests' decode steps the codes."""
+    engine, tokens, mean_diff, agreement = _quantized(reference, dtype="float32")
+    model = runner_of(engine).model
+    for method in (
+        model.model.layers[0].self_attn.qkv_proj.quant_method,
+        model.lm_head.quant_method,
+    ):
+        assert isinstance(method, DualLinearMethod) and NUM_PROMPTS <= method.max_code_rows
+    assert model.lm_head.quant_method.codes_method.bits == 8  # the Q8_0 embedding's codes
+    # The float model's bytes, and the int4 codes (66 MB) and the head's int8 ones (30 MB).
+    assert reference[3] < engine.weight_bytes < 1.2 * reference[3]
     assert tokens == reference[1]
     assert agreement == 1.0 and mean_diff < 1e-3
 

@@ -31,8 +31,28 @@ OPTIONS = {
     "partial_rotary": dict(partial_rotary_factor=0.5, rope_theta=500.0),
     "embedding_multiplier": dict(embedding_multiplier=2.0),
 }
+
+
+class EveryLayer(dict):
+    """code_kinds for --quantization auto naming every layer (the float weights quantized as
+    they load, in place of a GGUF's codes)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def get(self, key, default=None):
+        return self.kind
+
+
 # projections -> (dtype, what the layers are built as)
 KINDS = {
+    # codes up to 8 rows, the float copy above: the 3-token chunks of 3 requests take the copy
+    "dual_int4": (torch.float32, QuantizationConfig("auto", code_kinds=EveryLayer("int4"))),
+    "dual_int8_packed": (
+        torch.bfloat16,
+        QuantizationConfig("auto", prepack=True, code_kinds=EveryLayer("int8")),
+    ),
     "float32": (torch.float32, QuantizationConfig()),
     "packed_bf16": (torch.bfloat16, QuantizationConfig(prepack=True)),
     "int4": (torch.bfloat16, QuantizationConfig("int4")),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
-QUANTIZATION_METHODS = ("none", "int8", "int4")
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch", "triton")
 # The pre-paging contiguous reservations (core/contiguous_kv_cache_manager.py), for benchmarks.
 CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
@@ -104,9 +104,10 @@ class EngineArgs:
     disable_log_stats: bool = True
     # Weight-only quantized projections (CPU; kernels/csrc/quant_linear.cpp)
     quantization: str = _flag(
-        "none",
-        "none | int8 | int4: keep the projection weights quantized in memory (CPU kernels; "
-        "GGUF Q4 / Q8_0 blocks taken as they are)",
+        "auto",
+        "auto | none | int8 | int4: int8 / int4 keep the projection weights quantized in memory "
+        "(CPU kernels; GGUF Q4 / Q8_0 blocks taken as they are); auto (CPU) keeps a GGUF's "
+        "Q4 / Q8_0 blocks beside the float weights for steps of a few rows; none: float only",
         choices=QUANTIZATION_METHODS,
         short="-q",
     )

@@ -25,7 +25,7 @@ class ModelConfig:
     dtype: str  # the weights' and the KV cache's: "float32", "bfloat16" or "float16"
     max_model_len: int
     seed: int
-    quantization: str  # none | int8 | int4
+    quantization: str  # auto | none | int8 | int4
     enforce_eager: bool
 
 

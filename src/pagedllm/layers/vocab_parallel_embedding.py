@@ -12,7 +12,11 @@ from torch import nn
 
 from pagedllm.distributed import all_reduce, tp_group, vocab_shard
 from pagedllm.layers.linear import LinearBase, Loaded, Shard
-from pagedllm.layers.quantization import QuantizationConfig, UnquantizedLinearMethod
+from pagedllm.layers.quantization import (
+    DualLinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+)
 from pagedllm.layers.weight_utils import check_shape, narrow
 
 
@@ -69,6 +73,8 @@ class ParallelLMHead(LinearBase):
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         if isinstance(self.quant_method, UnquantizedLinearMethod):
             self.weight = embedding.weight
+        elif isinstance(self.quant_method, DualLinearMethod):
+            self.quant_method.tie(self, embedding.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         check_shape(loaded, (self.output_size, self.input_size))

@@ -15,11 +15,13 @@ from pagedllm import kernels
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization import (
+    DualLinearMethod,
     Int4LinearMethod,
     Int8LinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
     can_pack,
+    code_layer_kinds,
     layers_with_codes,
 )
 from pagedllm.layers.weight_utils import weight_bytes
@@ -47,7 +49,9 @@ def build_model(
     t0 = time.perf_counter()
     dtype = getattr(torch, model_config.dtype)
     method = model_config.quantization
-    if method != "none":
+    if method == "auto" and (device.type != "cpu" or not kernels.available()):
+        method = "none"  # the codes kernels are pagedllm's CPU ones
+    elif method != "none":
         _check_quantized_device(method, device)
     loaded = load_model(
         model_config.model,
@@ -58,14 +62,16 @@ def build_model(
         lazy=tp_group().size > 1 or method != "none",
     )
     model_cls = get_model_class(loaded.config.architecture)
+    code_args = (
+        loaded.quant_codes.kinds, model_cls.packed_modules_mapping,
+        loaded.config.tie_word_embeddings,
+    )  # fmt: skip
     quant_config = QuantizationConfig(
         method,
         prepack=can_pack(dtype, device),
-        layers_with_codes=layers_with_codes(
-            loaded.quant_codes.kinds, model_cls.packed_modules_mapping, method,
-            loaded.config.tie_word_embeddings,
-        ),
-    )  # fmt: skip
+        layers_with_codes=layers_with_codes(code_args[0], code_args[1], method, code_args[2]),
+        code_kinds=code_layer_kinds(*code_args) if method == "auto" else {},
+    )
     with torch.device(device):
         model = model_cls(loaded.config, attention_backend, dtype, quant_config).eval()
     try:
@@ -119,7 +125,21 @@ def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
     """What the loaded weights take; for a quantized model, against the float model's bytes."""
     num_bytes = weight_bytes(model)
     dtype_name = str(dtype).removeprefix("torch.")
-    if method == "none":
+    dual = [
+        (m, m.quant_method)
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), DualLinearMethod)
+    ]
+    if dual:
+        code_bytes = sum(method.nbytes(m) for m, method in dual)
+        logger.info(
+            "weights: %.1f MiB (%s), of which %.1f MiB are the GGUF's codes of %d layers, "
+            "multiplied in steps of up to %d rows (--quantization none: float only)",
+            num_bytes / 2**20, dtype_name, code_bytes / 2**20, len(dual),
+            dual[0][1].max_code_rows,
+        )  # fmt: skip
+        return
+    if method in ("none", "auto"):
         logger.info("weights: %.1f MiB (%s)", num_bytes / 2**20, dtype_name)
         return
     float_bytes, kept, exact = num_bytes, [], 0

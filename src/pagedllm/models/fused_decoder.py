@@ -19,6 +19,7 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization import (
     MAX_GEMV_ROWS,
+    DualLinearMethod,
     Int4LinearMethod,
     Int8LinearMethod,
     UnquantizedLinearMethod,
@@ -33,6 +34,15 @@ def _linear(layer: nn.Module, dtype: torch.dtype):
     """The kernel's view of a linear layer (layers/linear.py), by its quant_method."""
     ops, method = kernels.cpu_ops(), layer.quant_method
     bias = None if layer.bias is None else layer.bias.detach()
+    if isinstance(method, DualLinearMethod):
+        codes = getattr(ops.Linear, f"int{method.codes_method.bits}")(*method.codes(layer), bias)
+        packed = getattr(layer, "packed_weight", None)
+        dense = (
+            ops.Linear.dense(layer.dense_weight.detach(), bias)
+            if packed is None
+            else (ops.Linear.packed(packed, bias))
+        )
+        return ops.Linear.dual(codes, dense, method.max_code_rows)
     if isinstance(method, Int4LinearMethod):
         return ops.Linear.int4(*method.codes(layer), bias)
     if isinstance(method, Int8LinearMethod):

@@ -8,6 +8,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -38,8 +39,12 @@ struct Linear {
   Kind kind;
   std::vector<at::Tensor> weights;  // dense/packed: {weight}; int4: {codes, scales, mins}; int8: {codes, scales}
   std::optional<at::Tensor> bias;
+  // Codes and a float copy (layers/quantization/dual.py): above max_code_rows rows, the copy.
+  std::shared_ptr<const Linear> many_rows;
+  int64_t max_code_rows = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (many_rows && x.size(0) > max_code_rows) return (*many_rows)(x);
     switch (kind) {
       case kDense: return at::linear(x, weights[0], bias);
       case kPacked: return packed_linear(x, weights[0], bias);
@@ -140,6 +145,11 @@ void register_decoder(pybind11::module& m) {
       })
       .def_static("int8", [](at::Tensor q, at::Tensor s, Bias b) {
         return Linear{Linear::kInt8, {q, s}, b};
+      })
+      .def_static("dual", [](Linear codes, Linear many_rows, int64_t max_code_rows) {
+        codes.many_rows = std::make_shared<const Linear>(std::move(many_rows));
+        codes.max_code_rows = max_code_rows;
+        return codes;
       });
   py::class_<LlamaDecoder>(m, "LlamaDecoder", "a Llama-style decoder stack in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,

@@ -1,6 +1,7 @@
 """Each linear layer's weight format (its quant_method): float (unquantized.py; prepacked for
-oneDNN in bfloat16 on CPU) or weight-only int8 / int4 codes (int_linear.py, codes.py), chosen
-per layer by QuantizationConfig (config.py) when the model is built."""
+oneDNN in bfloat16 on CPU), weight-only int8 / int4 codes (int_linear.py, codes.py), or a GGUF's
+codes beside its float weights (dual.py), chosen per layer by QuantizationConfig (config.py)
+when the model is built."""
 
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.layers.quantization.codes import (
@@ -11,7 +12,12 @@ from pagedllm.layers.quantization.codes import (
     pack_int4,
     unpack_int4,
 )
-from pagedllm.layers.quantization.config import QuantizationConfig, layers_with_codes
+from pagedllm.layers.quantization.config import (
+    QuantizationConfig,
+    code_layer_kinds,
+    layers_with_codes,
+)
+from pagedllm.layers.quantization.dual import DualLinearMethod
 from pagedllm.layers.quantization.int_linear import (
     MAX_GEMV_ROWS,
     Int4LinearMethod,
@@ -21,6 +27,7 @@ from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, ca
 
 __all__ = [
     "BLOCK",
+    "DualLinearMethod",
     "MAX_GEMV_ROWS",
     "Int4LinearMethod",
     "Int4Weight",
@@ -31,6 +38,7 @@ __all__ = [
     "QuantizationConfig",
     "UnquantizedLinearMethod",
     "can_pack",
+    "code_layer_kinds",
     "layers_with_codes",
     "pack_int4",
     "unpack_int4",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -11,6 +11,7 @@ from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.layers.quantization.codes import BLOCK, Int4Weight, Int8Weight
+from pagedllm.layers.quantization.dual import DualLinearMethod
 from pagedllm.layers.quantization.int_linear import Int4LinearMethod, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -19,10 +20,13 @@ METHODS = {"int4": Int4LinearMethod, "int8": Int8LinearMethod}
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str = "none"  # none | int8 | int4
+    # none | int8 | int4 | auto (the checkpoint's codes beside the float weights: dual.py)
+    method: str = "none"
     prepack: bool = False  # float weights prepacked for oneDNN (unquantized.can_pack)
     # Layers (by prefix) that take the checkpoint's own codes: see layers_with_codes.
     layers_with_codes: frozenset[str] = frozenset()
+    # auto: the layers the checkpoint has codes for, and their kind (see code_layer_kinds)
+    code_kinds: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in QUANTIZATION_METHODS:
@@ -36,6 +40,8 @@ class QuantizationConfig:
         groups of 32 stays float; a tied LM head gets int8 whatever the method (int4 would cost
         the most accuracy on the logits): decode reads it every step, and 8 bits are half of
         bfloat16's bytes, while the float embedding stays for the lookups."""
+        if self.method == "auto":
+            return self._dual_or_float(layer, prefix)
         quantized = self.method != "none"
         if not quantized or layer.input_size % BLOCK:
             # A quantized model keeps no packed copy of a tied head: saving memory is its point.
@@ -50,6 +56,16 @@ class QuantizationConfig:
         method = Int8LinearMethod if layer.tied else METHODS[self.method]
         return method(takes_codes=prefix in self.layers_with_codes, tied=layer.tied)
 
+    def _dual_or_float(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        """The checkpoint's codes beside the float weight where it has codes for the layer and
+        this rank's columns are whole groups of them; the float weight alone elsewhere."""
+        kind = self.code_kinds.get(prefix)
+        start, size = layer.input_start, layer.input_size_per_partition
+        if kind is None or start % BLOCK or size % BLOCK:
+            return UnquantizedLinearMethod(self.prepack)
+        codes = METHODS[kind](takes_codes=True, tied=layer.tied)
+        return DualLinearMethod(codes, self.prepack, layer.tied)
+
 
 def layers_with_codes(
     code_kinds: Mapping[str, type],
@@ -61,9 +77,24 @@ def layers_with_codes(
     those whose every part (q, k and v of a qkv_proj...) the checkpoint stores in codes of the
     method's kind (`code_kinds`: HF weight name -> Int4Weight or Int8Weight); and a tied LM
     head, when the embedding's are int8 codes. The others quantize their float weights."""
-    want = {"int4": Int4Weight, "int8": Int8Weight}.get(method)
-    if want is None:
+    kinds = code_layer_kinds(code_kinds, packed_modules_mapping, tie_word_embeddings)
+    if method not in METHODS:
         return frozenset()
+    return frozenset(
+        layer
+        for layer, kind in kinds.items()
+        if kind == method or (layer == "lm_head" and tie_word_embeddings)  # int8, as tied heads
+    )
+
+
+def code_layer_kinds(
+    code_kinds: Mapping[str, type],
+    packed_modules_mapping: Mapping[str, list[str]],
+    tie_word_embeddings: bool,
+) -> dict[str, str]:
+    """Layer -> "int4" | "int8" for the layers whose every part the checkpoint stores in codes
+    of one kind; a tied LM head -> "int8" when the embedding's are int8 codes."""
+    names = {Int4Weight: "int4", Int8Weight: "int8"}
     part_of = {p: (packed, len(ps)) for packed, ps in packed_modules_mapping.items() for p in ps}
     kinds: dict[str, list[type]] = {}
     needed: dict[str, int] = {}
@@ -75,7 +106,11 @@ def layers_with_codes(
         layer = ".".join([*prefix, packed])
         kinds.setdefault(layer, []).append(kind)
         needed[layer] = parts
-    found = {layer for layer, k in kinds.items() if len(k) == needed[layer] and set(k) == {want}}
+    found = {
+        layer: names[k[0]]
+        for layer, k in kinds.items()
+        if len(k) == needed[layer] and len(set(k)) == 1 and k[0] in names
+    }
     if tie_word_embeddings and code_kinds.get("model.embed_tokens.weight") is Int8Weight:
-        found.add("lm_head")
-    return frozenset(found)
+        found["lm_head"] = "int8"
+    return found

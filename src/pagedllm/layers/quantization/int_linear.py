@@ -119,8 +119,9 @@ class _BlockQuantMethod(LinearMethodBase):
         getattr(kernels.cpu_ops(), f"int{self.bits}_dequantize")(out, *self.codes(layer))
         return out
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """float32 [N, K], rounded as the kernels round (one fused multiply-add for int4)."""
+    def dequantize(self, layer: nn.Module, rows: slice = slice(None)) -> torch.Tensor:
+        """float32 [N, K] (or those rows), rounded as the kernels round (one fused multiply-add
+        for int4)."""
         raise NotImplementedError
 
 
@@ -131,9 +132,9 @@ class Int8LinearMethod(_BlockQuantMethod):
     def _packed(self, q: torch.Tensor) -> torch.Tensor:
         return q
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        scale = layer.weight_scale.float().repeat_interleave(BLOCK, dim=1)
-        return layer.weight.float() * scale
+    def dequantize(self, layer: nn.Module, rows: slice = slice(None)) -> torch.Tensor:
+        scale = layer.weight_scale[rows].float().repeat_interleave(BLOCK, dim=1)
+        return layer.weight[rows].float() * scale
 
 
 class Int4LinearMethod(_BlockQuantMethod):
@@ -143,9 +144,9 @@ class Int4LinearMethod(_BlockQuantMethod):
     def _packed(self, q: torch.Tensor) -> torch.Tensor:
         return pack_int4(q)  # two codes a byte, in ggml's order
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def dequantize(self, layer: nn.Module, rows: slice = slice(None)) -> torch.Tensor:
         return torch.addcmul(
-            layer.weight_min.float().repeat_interleave(BLOCK, dim=1),
-            unpack_int4(layer.weight).float(),
-            layer.weight_scale.float().repeat_interleave(BLOCK, dim=1),
+            layer.weight_min[rows].float().repeat_interleave(BLOCK, dim=1),
+            unpack_int4(layer.weight[rows]).float(),
+            layer.weight_scale[rows].float().repeat_interleave(BLOCK, dim=1),
         )

@@ -22,6 +22,16 @@ BATCH_HINT = 64
 _ONEDNN_BF16 = ({"avx_ne_convert"}, {"avx512bw", "avx512vl", "avx512dq"})
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN tensor, neither a parameter nor a buffer: module.to() and state_dict()
+    leave it alone (weight_bytes counts the module's `nbytes`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return (
         dtype == torch.bfloat16
@@ -48,15 +58,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.prepack:
             return
-        weight = layer.weight.detach()
-        # An opaque oneDNN tensor, neither a parameter nor a buffer: module.to() and
-        # state_dict() leave it alone; weight_bytes counts `nbytes`.
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-        layer.nbytes = weight.numel() * weight.element_size()
+        layer.packed_weight = pack(layer.weight)
+        layer.nbytes = layer.weight.nbytes
         del layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)
         if packed is None:
             return F.linear(x, layer.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return packed_linear(x, packed, bias)

@@ -1,0 +1,136 @@
+"""--quantization auto's layers (layers/quantization/dual.py): the checkpoint's codes for steps of
+up to max_code_rows rows, the same weights in the model's dtype above; both copies hold the
+codes' numbers, each path is exactly its kernel, and the config gives dual layers only where the
+checkpoint has codes for every part of a layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import kernels
+from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.quantization import (
+    DualLinearMethod,
+    Int4Weight,
+    Int8Weight,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    can_pack,
+    code_layer_kinds,
+)
+from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.weight_utils import weight_bytes
+from pagedllm.models import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+CODES = {"int4": Int4Weight, "int8": Int8Weight}
+
+
+def dual_layer(kind: str, codes, dtype, bias=None, prepack=False) -> ColumnParallelLinear:
+    n, k = codes.shape
+    config = QuantizationConfig("auto", prepack, code_kinds={"w": kind})
+    layer = ColumnParallelLinear(k, n, bias is not None, dtype, config, prefix="w")
+    assert isinstance(layer.quant_method, DualLinearMethod)
+    layer.weight_loader(layer.weight, codes)
+    if bias is not None:
+        layer.weight_loader(layer.bias, bias)
+    return layer
+
+
+@pytest.mark.parametrize("kind", sorted(CODES))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_path_is_its_kernel_over_the_same_weights(kind, with_bias):
+    torch.manual_seed(0)
+    codes = CODES[kind].from_float(torch.randn(96, 160))
+    bias = torch.randn(96) if with_bias else None
+    layer = dual_layer(kind, codes, torch.float32, bias)
+    method = layer.quant_method
+    # The float copy is the layer's codes (float16 scales) dequantized, bit for bit.
+    w = method.codes_method.dequantize(layer)
+    torch.testing.assert_close(w, codes.dequantize(), rtol=0, atol=1e-2)
+    assert torch.equal(layer.dense_weight, w)
+    ops = kernels.cpu_ops()
+    for rows in (1, 3, method.max_code_rows, method.max_code_rows + 1, 40):
+        x = torch.randn(rows, 160)
+        y = layer(x)
+        if rows <= method.max_code_rows:
+            want = getattr(ops, f"{kind}_linear")(x, *method.codes(layer))
+            want = want if bias is None else want + bias
+        else:
+            want = F.linear(x, w, bias)
+        assert torch.equal(y, want), rows
+        # Both paths compute the same product: only the order of the sums differs.
+        exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(y, exact.float(), rtol=1e-5, atol=1e-4)
+    assert layer(torch.randn(2, 5, 160)).shape == (2, 5, 96)  # leading dims: 10 rows, the copy
+
+
+def test_float_weights_are_quantized_once_for_both_copies():
+    """A layer given floats (a vocabulary shard's zero padding, a tiny test model) quantizes
+    them; the copy is those codes dequantized, not the floats."""
+    torch.manual_seed(1)
+    w = torch.randn(64, 64)
+    layer = dual_layer("int4", w, torch.float32)
+    assert torch.equal(layer.dense_weight, layer.quant_method.codes_method.dequantize(layer))
+    torch.testing.assert_close(layer.dense_weight, Int4Weight.from_float(w).dequantize(),
+                               rtol=0, atol=1e-2)  # fmt: skip
+    assert not torch.equal(layer.dense_weight, w)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="oneDNN bf16")
+def test_bfloat16_copy_prepacked():
+    torch.manual_seed(2)
+    codes = Int4Weight.from_float(torch.randn(128, 64))
+    layer = dual_layer("int4", codes, torch.bfloat16, prepack=True)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "dense_weight") and layer.nbytes == 128 * 64 * 2
+    x = torch.randn(32, 64).bfloat16()
+    w = layer.quant_method.codes_method.dequantize(layer).bfloat16()
+    torch.testing.assert_close(layer(x), F.linear(x, w))
+
+
+def test_tied_head_shares_the_embedding_and_holds_its_own_codes():
+    torch.manual_seed(3)
+    emb_codes = Int8Weight.from_float(torch.randn(100, 64))
+    embedding = VocabParallelEmbedding(100, 64)
+    embedding.weight_loader(embedding.weight, emb_codes.dequantize())
+    config = QuantizationConfig("auto", code_kinds={"lm_head": "int8"})
+    head = ParallelLMHead(100, 64, quant_config=config, tied=True)
+    head.tie_weights(embedding)
+    head.weight_loader(head.weight, emb_codes)
+    assert torch.equal(head.weight, emb_codes.q)
+    assert head.dense_weight.data_ptr() == embedding.weight.data_ptr()
+    x = torch.randn(20, 64)
+    assert torch.equal(head(x), F.linear(x, embedding.weight))
+    # Counted once: the embedding's floats and the head's codes (int8, float16 scales).
+    both = torch.nn.ModuleList([embedding, head])
+    assert weight_bytes(both) == 100 * 64 * 4 + 100 * 64 + 100 * 2 * 2
+
+
+def test_auto_gives_dual_layers_where_every_part_has_codes_of_one_kind():
+    q4, q8 = Int4Weight, Int8Weight
+    mapping = LlamaForCausalLM.packed_modules_mapping
+    kinds = {f"model.layers.0.self_attn.{p}_proj.weight": q4 for p in "qkv"}
+    kinds["model.layers.0.self_attn.o_proj.weight"] = q8
+    kinds |= {"model.layers.0.mlp.gate_proj.weight": q4, "model.layers.0.mlp.up_proj.weight": q8}
+    kinds["model.layers.1.self_attn.q_proj.weight"] = q4  # no k / v
+    kinds["model.embed_tokens.weight"] = q8
+    found = code_layer_kinds(kinds, mapping, tie_word_embeddings=True)
+    assert found == {
+        "model.layers.0.self_attn.qkv_proj": "int4",
+        "model.layers.0.self_attn.o_proj": "int8",
+        "model.embed_tokens": "int8",  # never asked for: the embedding is not a linear layer
+        "lm_head": "int8",
+    }
+    assert "lm_head" not in code_layer_kinds(kinds, mapping, tie_word_embeddings=False)
+    config = QuantizationConfig("auto", code_kinds=found)
+    merged = ColumnParallelLinear(
+        64, 64, quant_config=config, prefix="model.layers.0.mlp.gate_up_proj"
+    )
+    assert isinstance(merged.quant_method, UnquantizedLinearMethod)  # mixed kinds: float only
+    odd = ColumnParallelLinear(
+        48, 64, quant_config=config, prefix="model.layers.0.self_attn.o_proj"
+    )
+    assert isinstance(odd.quant_method, UnquantizedLinearMethod)  # 48 columns: not whole groups
