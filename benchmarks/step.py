@@ -38,6 +38,7 @@ TARGET_OUTSIDE_FORWARD_SHARE = 0.10  # of step time, with 64 running requests
 TARGET_PREFILL_TOKENS_PER_S = 1000.0  # 512-token prompt, default model
 TARGET_SCHEDULE_MS = 5.0  # schedule() with 256 running
 TARGET_MFU = 0.50
+TARGET_STREAMING_RATIO = 1.5  # one stream's decode step against reading its bytes once
 SCHEDULE_PROMPT_LEN = 16  # the schedule phase's prompts: short, as only schedule() is timed
 PROFILE_ROWS = 15
 
@@ -354,6 +355,23 @@ def run_schedule(engine, timer, ns, rng, vocab) -> dict[str, Any]:
     }
 
 
+def weight_streaming(engine, decode: dict[str, Any]) -> dict[str, Any]:
+    """The bytes one decode step reads, the weights as each layer's method reads them at this
+    many rows (a GGUF's codes or the float copy, --quantization auto) and the K/V of every
+    request's context, against the time this machine takes to read that many bytes once."""
+    model = engine.executor.driver_worker.model_runner.model
+    rows, arch = decode["num_running"], model.config
+    weights = sum(
+        m.quant_method.bytes_read(m, rows) for m in model.modules() if hasattr(m, "quant_method")
+    )
+    kv_per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    kv = int(rows * decode["mean_context_len"] * kv_per_token * engine.dtype.itemsize)
+    read = roofline.measure_read_bandwidth(weights + kv)
+    streaming_ms = (weights + kv) / (read["gb_per_s"] * 1e9) * 1e3
+    return {"weight_bytes": weights, "kv_bytes": kv, "read": read, "streaming_ms": streaming_ms,
+            "ratio": decode["step_ms"] / streaming_ms}  # fmt: skip
+
+
 def _kv_blocks_needed(ns, block_size: int) -> int:
     extra = 4 + ns.num_steps + (1 if ns.profile else 0)  # steps beyond the prompt, with margin
     per = -(-(ns.prompt_len + extra) // block_size)
@@ -412,6 +430,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         decode = run_decode(engine, timer, ns, rng, vocab)
         prefill = run_prefill(engine, timer, ns, rng, vocab)
         schedule = run_schedule(engine, timer, ns, rng, vocab)
+    streaming = weight_streaming(engine, decode) if engine.device.type == "cpu" else None
     peak = roofline.measure_gemm_peak(engine.dtype, device=engine.device)
     peak_flops = peak["best_gflops"] * 1e9
     config = engine.model_config
@@ -430,6 +449,9 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         "schedule_ms": (schedule["schedule_ms_median"], TARGET_SCHEDULE_MS,
                         schedule["schedule_ms_median"] < TARGET_SCHEDULE_MS),
         "decode_mfu": (decode["mfu"], TARGET_MFU, decode["mfu"] >= TARGET_MFU),
+        **({"single_stream_vs_streaming": (streaming["ratio"], TARGET_STREAMING_RATIO,
+                                          streaming["ratio"] <= TARGET_STREAMING_RATIO)}
+           if streaming and ns.num_running == 1 else {}),
         "prefill_mfu": (prefill["mfu"], TARGET_MFU, prefill["mfu"] >= TARGET_MFU),
     }  # fmt: skip
 
@@ -448,6 +470,20 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     print("  (forward = the decoder's forward + the LM head's logits; the rest is schedule, "
           "input preparation, sampling, update and outputs)")  # fmt: skip
     print(mfu_target_line("decode", decode))
+    if streaming:
+        read = streaming["read"]
+        line = (
+            f"{streaming['weight_bytes'] / 1e6:.1f} MB of weights and "
+            f"{streaming['kv_bytes'] / 1e6:.1f} MB of K/V a step; reading that much once runs "
+            f"at {read['gb_per_s']:.1f} GB/s here ({read['bytes'] / 1e6:.0f} MB buffer): "
+            f"{streaming['streaming_ms']:.1f} ms, the step {streaming['ratio']:.2f}x that"
+        )
+        if ns.num_running == 1:
+            print(target_line("single stream against weight streaming", line,
+                              f"<= {TARGET_STREAMING_RATIO}x",
+                              targets["single_stream_vs_streaming"][2]))  # fmt: skip
+        else:
+            print(f"weight streaming: {line}")
     print()
     print(
         f"prefill: one {ns.prefill_len}-token prompt, max_tokens=1, median of 3 "
@@ -484,6 +520,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             "torch_num_threads": torch.get_num_threads(),
             "engine_args": dataclasses.asdict(engine_args),
             "decode": decode,
+            "weight_streaming": streaming,
             "prefill": prefill,
             "schedule": schedule,
             "gemm_peak": peak,

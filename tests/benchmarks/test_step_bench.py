@@ -75,6 +75,8 @@ def test_mfu_and_gemm_peak():
     assert peak["dtype"] == "float32" and peak["best_gflops"] > 0
     assert "gflops" in peak["shapes"][0]  # the first shape always runs
     assert "GFLOP/s" in roofline.gemm_peak_line(peak)
+    read = roofline.measure_read_bandwidth(1 << 20, seconds=0.02)
+    assert read["bytes"] == 1 << 20 and read["repeats"] >= 3 and read["gb_per_s"] > 0
 
 
 def test_breakdown_shares_and_outside_forward():
@@ -135,6 +137,21 @@ def test_whole_benchmark_on_a_tiny_model(tiny_model, tmp_path, capsys):
     assert set(r["targets"]) == {"outside_forward_share", "prefill_tokens_per_s", "schedule_ms",
                                  "decode_mfu", "prefill_mfu"}  # fmt: skip
     assert r["gemm_peak"]["best_gflops"] > 0
+    # The roofline of a decode step: the float weights (every linear layer's, the tied head's
+    # too) and the K/V of 4 requests' contexts, against reading that many bytes once.
+    from pagedllm.model_loader.loader import load_model_config
+    from pagedllm.models.registry import get_model_class
+
+    config, _ = load_model_config(tiny_model)
+    model = get_model_class(config.architecture)(config)
+    linears = [m for m in model.modules() if hasattr(m, "quant_method")]
+    streaming = r["weight_streaming"]
+    assert streaming["weight_bytes"] == sum(m.weight.nbytes for m in linears)
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    assert streaming["kv_bytes"] == int(4 * decode["mean_context_len"] * kv_per_token)
+    assert streaming["read"]["bytes"] >= streaming["weight_bytes"] + streaming["kv_bytes"]
+    assert streaming["ratio"] == pytest.approx(decode["step_ms"] / streaming["streaming_ms"])
+    assert "weight streaming: " in printed
 
 
 def test_rejects_bad_sizes(tiny_model):

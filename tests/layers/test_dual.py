@@ -64,7 +64,10 @@ def test_each_path_is_its_kernel_over_the_same_weights(kind, with_bias):
         # Both paths compute the same product: only the order of the sums differs.
         exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
         torch.testing.assert_close(y, exact.float(), rtol=1e-5, atol=1e-4)
-    assert layer(torch.randn(2, 5, 160)).shape == (2, 5, 96)  # leading dims: 10 rows, the copy
+    assert layer(torch.randn(2, 5, 160)).shape == (2, 5, 96)  # leading dims: 10 rows
+    # What bench step's roofline counts: the codes up to max_code_rows rows, the copy above.
+    assert method.bytes_read(layer, method.max_code_rows) == method.nbytes(layer) < 96 * 160 * 4
+    assert method.bytes_read(layer, method.max_code_rows + 1) == 96 * 160 * 4
 
 
 def test_float_weights_are_quantized_once_for_both_copies():
@@ -102,7 +105,7 @@ def test_tied_head_shares_the_embedding_and_holds_its_own_codes():
     head.weight_loader(head.weight, emb_codes)
     assert torch.equal(head.weight, emb_codes.q)
     assert head.dense_weight.data_ptr() == embedding.weight.data_ptr()
-    x = torch.randn(20, 64)
+    x = torch.randn(head.quant_method.max_code_rows + 1, 64)  # the float copy: the embedding
     assert torch.equal(head(x), F.linear(x, embedding.weight))
     # Counted once: the embedding's floats and the head's codes (int8, float16 scales).
     both = torch.nn.ModuleList([embedding, head])

@@ -9,7 +9,12 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.quantization import MAX_GEMV_ROWS, QuantizationConfig, can_pack
+from pagedllm.layers.quantization import (
+    MAX_GEMV_ROWS,
+    DualLinearMethod,
+    QuantizationConfig,
+    can_pack,
+)
 from pagedllm.model_loader.build import process_weights_after_loading
 from pagedllm.models.fused_decoder import NotFusable
 from pagedllm.models.llama import LlamaForCausalLM
@@ -47,7 +52,8 @@ class EveryLayer(dict):
 
 # projections -> (dtype, what the layers are built as)
 KINDS = {
-    # codes up to 8 rows, the float copy above: the 3-token chunks of 3 requests take the copy
+    # codes up to 4 rows (set below), the float copy above: the 3-token chunks of 3 requests
+    # (9 rows) take the copy, their decode steps the codes
     "dual_int4": (torch.float32, QuantizationConfig("auto", code_kinds=EveryLayer("int4"))),
     "dual_int8_packed": (
         torch.bfloat16,
@@ -86,6 +92,10 @@ def fused_and_eager(kind, options):
     if quant_config.prepack and not can_pack(dtype, torch.device("cpu")):
         pytest.skip("needs oneDNN's bfloat16 path")
     eager, fused = (tiny_model(dtype, quant_config, **OPTIONS[options]) for _ in range(2))
+    for model in (eager, fused):
+        for module in model.modules():
+            if isinstance(getattr(module, "quant_method", None), DualLinearMethod):
+                module.quant_method.max_code_rows = 4
     fused.fuse_decoder()
     return eager, fused
 

@@ -80,6 +80,22 @@ def measure_gemm_peak(
     }
 
 
+def measure_read_bandwidth(num_bytes: int, seconds: float = 1.0) -> dict[str, Any]:
+    """Best GB/s of reading a CPU buffer of num_bytes once (torch's sum over float32s, on
+    torch's threads), within about `seconds`: from L3 when that much fits there, from DRAM when
+    not, as a step reading that many bytes of weights would."""
+    buf = torch.ones(max(num_bytes // 4, 1024))
+    buf.sum()  # page faults, thread start-up
+    deadline, best, repeats = time.perf_counter() + seconds, float("inf"), 0
+    while repeats < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+        repeats += 1
+    return {"bytes": buf.nbytes, "best_s": best, "gb_per_s": buf.nbytes / best / 1e9,
+            "repeats": repeats}  # fmt: skip
+
+
 def matmul_params_per_token(config: ModelArchConfig) -> int:
     """Weights each token multiplies by: per layer q, k, v, o, gate, up and down projections,
     plus the LM head (hidden × vocab, even when tied to the embedding: the lookup is free, the

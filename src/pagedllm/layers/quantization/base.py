@@ -34,3 +34,7 @@ class LinearMethodBase:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
+        """Weight bytes a call with num_rows rows of input reads (the roofline of bench step)."""
+        raise NotImplementedError

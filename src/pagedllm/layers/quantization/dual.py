@@ -24,10 +24,10 @@ from pagedllm.layers.quantization.unquantized import pack, packed_linear
 
 # Up to this many rows the codes are multiplied; above, the float weight. float32: the crossover
 # of the default model's 120 projections, `python benchmarks/cpu_microbench.py --dual` on a
-# 2-core AVX2 machine (codes 1.3x faster at 32 rows, 0.9x at 48; docs/performance.md).
-# bfloat16: not measured on a machine with oneDNN's bf16 path yet; from that machine's figures
-# of the codes kernel and of oneDNN's prepacked GEMMs at decode shapes, about 8.
-MAX_CODE_ROWS = {torch.float32: 32, torch.bfloat16: 8}
+# 2-core AVX2 machine (codes 4x faster at one row, 1.35x at 32, 1.13x at 48, even at 64;
+# docs/performance.md). bfloat16: not measured on a machine with oneDNN's bf16 path yet; from
+# that machine's figures of the codes kernel and of oneDNN's prepacked GEMMs, about 8.
+MAX_CODE_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 
 
 def max_code_rows(dtype: torch.dtype) -> int:
@@ -81,6 +81,11 @@ class DualLinearMethod(LinearMethodBase):
     def nbytes(self, layer: nn.Module) -> int:
         """The codes' bytes (the float copy is counted with the float weights)."""
         return self.codes_method.nbytes(layer)
+
+    def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
+        if num_rows <= self.max_code_rows:
+            return self.nbytes(layer)
+        return layer.nbytes if hasattr(layer, "packed_weight") else layer.dense_weight.nbytes
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)

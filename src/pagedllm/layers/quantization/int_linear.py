@@ -92,6 +92,12 @@ class _BlockQuantMethod(LinearMethodBase):
         numel = layer.output_size_per_partition * layer.input_size_per_partition
         return 0 if self.tied else numel * self.dtype.itemsize
 
+    def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
+        """The codes; above MAX_GEMV_ROWS also the expanded weight, written then read."""
+        numel = layer.output_size_per_partition * layer.input_size_per_partition
+        expanded = 0 if num_rows <= MAX_GEMV_ROWS else 2 * numel * self.dtype.itemsize
+        return self.nbytes(layer) + expanded
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)
         if x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x):

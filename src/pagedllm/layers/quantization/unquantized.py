@@ -62,6 +62,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.nbytes = layer.weight.nbytes
         del layer.weight
 
+    def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
+        return layer.nbytes if hasattr(layer, "packed_weight") else layer.weight.nbytes
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)
         if packed is None:
