@@ -137,3 +137,16 @@ def test_auto_gives_dual_layers_where_every_part_has_codes_of_one_kind():
         48, 64, quant_config=config, prefix="model.layers.0.self_attn.o_proj"
     )
     assert isinstance(odd.quant_method, UnquantizedLinearMethod)  # 48 columns: not whole groups
+
+
+@pytest.mark.parametrize("kind", sorted(CODES))
+def test_a_rows_product_does_not_depend_on_the_other_rows(kind):
+    """The codes kernel sums each output in one order whatever the row count (one row, a tile
+    of four, the 1-3 left over): a request's result does not depend on its batch."""
+    torch.manual_seed(4)
+    layer = dual_layer(kind, CODES[kind].from_float(torch.randn(40, 96)), torch.float32)
+    ops, codes = kernels.cpu_ops(), layer.quant_method.codes(layer)
+    x = torch.randn(9, 96)
+    alone = torch.cat([getattr(ops, f"{kind}_linear")(x[i : i + 1], *codes) for i in range(9)])
+    for rows in range(2, 10):
+        assert torch.equal(getattr(ops, f"{kind}_linear")(x[:rows], *codes), alone[:rows]), rows

@@ -180,6 +180,51 @@ inline void dot_tile(const float* x, const float* xsum, int64_t K, int64_t G, co
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// dot_tile<1, 4> for ggml's layout (a scale per block of 32) in plain AVX2 intrinsics, every
+// accumulator a register (GCC keeps dot_tile's arrays on the stack): one row of x, loaded once
+// per block for the four weight rows. The same operations in the same order as dot_tile, so
+// the same results.
+template <bool kInt4, typename T>
+inline void one_row_avx2(const float* x, const float* xsum, int64_t G, const uint8_t* q,
+                         int64_t row_bytes, const float* scale, const float* mn, T* y) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  const __m128i nibble = _mm_set1_epi8(15);
+  auto block = [&](const uint8_t* row, int64_t b, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+    __m128i c0, c1;
+    if constexpr (kInt4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      c0 = _mm_and_si128(bytes, nibble);
+      c1 = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    } else {
+      c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock));
+      c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock + 16));
+    }
+    auto widen = [](__m128i c) {
+      return kInt4 ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    };
+    __m256 p = _mm256_mul_ps(widen(c0), x0);
+    p = _mm256_fmadd_ps(widen(_mm_srli_si128(c0, 8)), x1, p);
+    p = _mm256_fmadd_ps(widen(c1), x2, p);
+    return _mm256_fmadd_ps(widen(_mm_srli_si128(c1, 8)), x3, p);
+  };
+  for (int64_t b = 0; b < G; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+    const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+    acc0 = _mm256_fmadd_ps(block(q, b, x0, x1, x2, x3), _mm256_set1_ps(scale[b]), acc0);
+    acc1 = _mm256_fmadd_ps(block(q + row_bytes, b, x0, x1, x2, x3), _mm256_set1_ps(scale[G + b]), acc1);
+    acc2 = _mm256_fmadd_ps(block(q + 2 * row_bytes, b, x0, x1, x2, x3), _mm256_set1_ps(scale[2 * G + b]), acc2);
+    acc3 = _mm256_fmadd_ps(block(q + 3 * row_bytes, b, x0, x1, x2, x3), _mm256_set1_ps(scale[3 * G + b]), acc3);
+  }
+  const __m256 accs[4] = {acc0, acc1, acc2, acc3};
+  for (int j = 0; j < 4; ++j) {
+    const float m = kInt4 ? dot(mn + j * G, xsum, G) : 0.f;
+    y[j] = static_cast<T>(reduce_sum(Vec(accs[j])) + m);
+  }
+}
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_BF16_DOT 1
 // R rows of bfloat16 activations against NT rows of int4 codes with AVX512-BF16 dot products
@@ -384,6 +429,12 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
           dot_tile<2, kRowsN, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
           break;
         case 1:
+#if defined(CPU_CAPABILITY_AVX2)
+          if (K == G * kBlock) {
+            one_row_avx2<kInt4, T>(xm, xsm, G, qn, row_bytes, sf, mf, yn + m * N);
+            break;
+          }
+#endif
           dot_tile<1, kRowsN, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
           break;
       }
