@@ -7,8 +7,8 @@ eighth of float32's bytes and a quarter of bfloat16's. A step of many rows is bo
 arithmetic, where the float GEMMs (MKL, oneDNN's prepacked bfloat16) beat the codes kernel,
 which expands the codes for every row tile. Both copies hold the same numbers, the float one
 being the codes dequantized (then rounded to the dtype), so the only difference between the
-paths is the order of the sums. The float copy costs the float model's bytes again beside the
-codes (logged at load; `--quantization none` or `int4` keeps one).
+paths is the order of the sums. Keeping both costs the codes' bytes on top of the float model's
+(logged at load; `--quantization none` or `int4` keeps one format).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pagedllm.layers.quantization.unquantized import pack, packed_linear
 
 # Up to this many rows the codes are multiplied; above, the float weight. float32: the crossover
 # of the default model's 120 projections, `python benchmarks/cpu_microbench.py --dual` on a
-# 2-core AVX2 machine (codes 4x faster at one row, 1.35x at 32, 1.13x at 48, even at 64;
-# docs/performance.md). bfloat16: not measured on a machine with oneDNN's bf16 path yet; from
+# 2-core AVX2 machine (codes 4.6x faster at one row, 1.45x at 32, 1.13x at 48, 0.77-1.03x at
+# 64; docs/performance.md). bfloat16: not measured on a machine with oneDNN's bf16 path yet; from
 # that machine's figures of the codes kernel and of oneDNN's prepacked GEMMs, about 8.
 MAX_CODE_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 
