@@ -62,15 +62,13 @@ def build_model(
         lazy=tp_group().size > 1 or method != "none",
     )
     model_cls = get_model_class(loaded.config.architecture)
-    code_args = (
-        loaded.quant_codes.kinds, model_cls.packed_modules_mapping,
-        loaded.config.tie_word_embeddings,
-    )  # fmt: skip
+    codes, packed = loaded.quant_codes.kinds, model_cls.packed_modules_mapping
+    tied = loaded.config.tie_word_embeddings
     quant_config = QuantizationConfig(
         method,
         prepack=can_pack(dtype, device),
-        layers_with_codes=layers_with_codes(code_args[0], code_args[1], method, code_args[2]),
-        code_kinds=code_layer_kinds(*code_args) if method == "auto" else {},
+        layers_with_codes=layers_with_codes(codes, packed, method, tied),
+        code_kinds=code_layer_kinds(codes, packed, tied) if method == "auto" else {},
     )
     with torch.device(device):
         model = model_cls(loaded.config, attention_backend, dtype, quant_config).eval()

@@ -30,29 +30,29 @@ class NotFusable(Exception):
     """Why a model's layers cannot run as the fused decoder (the modules run instead)."""
 
 
+def _float_linear(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype, bias):
+    """A float weight's kernel view: the layer's oneDNN-packed copy, or `weight` itself."""
+    ops, packed = kernels.cpu_ops(), getattr(layer, "packed_weight", None)
+    if packed is not None:
+        return ops.Linear.packed(packed, bias)
+    if weight.dtype == dtype:
+        return ops.Linear.dense(weight.detach(), bias)
+    raise NotFusable(f"a {weight.dtype} weight in a {dtype} model")
+
+
 def _linear(layer: nn.Module, dtype: torch.dtype):
     """The kernel's view of a linear layer (layers/linear.py), by its quant_method."""
     ops, method = kernels.cpu_ops(), layer.quant_method
     bias = None if layer.bias is None else layer.bias.detach()
-    if isinstance(method, DualLinearMethod):
-        codes = getattr(ops.Linear, f"int{method.codes_method.bits}")(*method.codes(layer), bias)
-        packed = getattr(layer, "packed_weight", None)
-        dense = (
-            ops.Linear.dense(layer.dense_weight.detach(), bias)
-            if packed is None
-            else (ops.Linear.packed(packed, bias))
-        )
+    if isinstance(method, (DualLinearMethod, Int4LinearMethod, Int8LinearMethod)):
+        bits = method.codes_method.bits if isinstance(method, DualLinearMethod) else method.bits
+        codes = getattr(ops.Linear, f"int{bits}")(*method.codes(layer), bias)
+        if not isinstance(method, DualLinearMethod):
+            return codes
+        dense = _float_linear(layer, getattr(layer, "dense_weight", None), dtype, bias)
         return ops.Linear.dual(codes, dense, method.max_code_rows)
-    if isinstance(method, Int4LinearMethod):
-        return ops.Linear.int4(*method.codes(layer), bias)
-    if isinstance(method, Int8LinearMethod):
-        return ops.Linear.int8(*method.codes(layer), bias)
     if isinstance(method, UnquantizedLinearMethod):
-        packed = getattr(layer, "packed_weight", None)
-        if packed is not None:
-            return ops.Linear.packed(packed, bias)
-        if layer.weight.dtype == dtype:
-            return ops.Linear.dense(layer.weight.detach(), bias)
+        return _float_linear(layer, getattr(layer, "weight", None), dtype, bias)
     raise NotFusable(f"a {type(method).__name__} projection")
 
 

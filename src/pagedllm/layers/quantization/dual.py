@@ -14,13 +14,12 @@ paths is the order of the sums. Keeping both costs the codes' bytes on top of th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import kernels
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.layers.quantization.int_linear import _BlockQuantMethod
-from pagedllm.layers.quantization.unquantized import pack, packed_linear
+from pagedllm.layers.quantization.unquantized import float_bytes_read, float_linear, pack
 
 # Up to this many rows the codes are multiplied; above, the float weight. float32: the crossover
 # of the default model's 120 projections, `python benchmarks/cpu_microbench.py --dual` on a
@@ -85,7 +84,7 @@ class DualLinearMethod(LinearMethodBase):
     def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
         if num_rows <= self.max_code_rows:
             return self.nbytes(layer)
-        return layer.nbytes if hasattr(layer, "packed_weight") else layer.dense_weight.nbytes
+        return float_bytes_read(layer, getattr(layer, "dense_weight", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)
@@ -96,9 +95,5 @@ class DualLinearMethod(LinearMethodBase):
             if bias is not None:
                 y = y + bias.to(y.dtype)
         else:
-            packed = getattr(layer, "packed_weight", None)
-            if packed is None:
-                y = F.linear(x2d, layer.dense_weight, bias)
-            else:
-                y = packed_linear(x2d, packed, bias)
+            y = float_linear(x2d, layer, getattr(layer, "dense_weight", None), bias)
         return y.view(*x.shape[:-1], layer.output_size_per_partition)

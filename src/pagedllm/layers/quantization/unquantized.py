@@ -28,8 +28,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+def float_linear(x: torch.Tensor, layer: nn.Module, weight: torch.Tensor | None, bias):
+    """x times a float weight: the layer's oneDNN-packed copy when it has one, else `weight`."""
+    packed = getattr(layer, "packed_weight", None)
+    if packed is None:
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def float_bytes_read(layer: nn.Module, weight: torch.Tensor | None) -> int:
+    return layer.nbytes if hasattr(layer, "packed_weight") else weight.nbytes
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -63,10 +71,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         del layer.weight
 
     def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
-        return layer.nbytes if hasattr(layer, "packed_weight") else layer.weight.nbytes
+        return float_bytes_read(layer, getattr(layer, "weight", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = getattr(layer, "packed_weight", None)
-        if packed is None:
-            return F.linear(x, layer.weight, bias)
-        return packed_linear(x, packed, bias)
+        return float_linear(x, layer, getattr(layer, "weight", None), bias)
