@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from benchmarks import common
-from pagedllm.attention import AttentionMetadata, get_attention_backend
+from pagedllm.attention import AttentionMetadata, get_attention_backend, kv_quant
+from pagedllm.config import KV_CACHE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +29,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", default="auto", help="attention backend (default: auto)")
     group.add_argument("--device", default="auto", help="cpu | cuda | auto")
     group.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       choices=KV_CACHE_DTYPES,
+                       help="what the cache holds (default auto: --dtype); int8 / fp8: codes and "
+                            "a scale per row, read as they are stored")  # fmt: skip
     group.add_argument("--num-seqs", type=int, default=64, help="decoding requests")
     group.add_argument("--context-lens", default="512,2048,8192",
                        help="comma-separated context lengths, one run each")  # fmt: skip
@@ -44,7 +49,9 @@ def main(ns: argparse.Namespace) -> int:
     )
     backend = get_attention_backend(ns.backend, device)
     dtype = DTYPES[ns.dtype]
-    print(f"decode attention, backend {backend.name} on {_device_name(device)}, {ns.dtype}, "
+    kv_name = ns.dtype if ns.kv_cache_dtype == "auto" else ns.kv_cache_dtype
+    print(f"decode attention, backend {backend.name} on {_device_name(device)}, {ns.dtype} "
+          f"queries, {kv_name} KV cache, "
           f"{ns.num_seqs} requests, {ns.num_heads} heads / {ns.num_kv_heads} KV heads x "
           f"{ns.head_dim}, block size {ns.block_size}")  # fmt: skip
     print(f"{'context':>8} {'KV MiB':>8} {'kernel ms':>10} {'read GB/s':>10} "
@@ -67,11 +74,11 @@ def run_one(ns, backend, device, dtype, context_len: int) -> dict:
         bs, np.zeros(ns.num_seqs, np.int64), tables, [1] * ns.num_seqs,
         [context_len] * ns.num_seqs, device,
     )  # fmt: skip
-    k_cache = torch.randn(num_blocks, bs, kvh, d, device=device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = (_cache(ns, (num_blocks, bs, kvh, d), device, dtype) for _ in range(2))
     query = torch.randn(ns.num_seqs, ns.num_heads, d, device=device).to(dtype)
     scale = d**-0.5
-    kv_bytes = 2 * ns.num_seqs * context_len * kvh * d * k_cache.element_size()
+    row_bytes = k_cache.shape[-1] * k_cache.element_size()  # codes + scale when quantized
+    kv_bytes = 2 * ns.num_seqs * context_len * kvh * row_bytes
     read_bytes = kv_bytes + 2 * query.numel() * query.element_size()  # + the output written
 
     def attend():
@@ -85,6 +92,17 @@ def run_one(ns, backend, device, dtype, context_len: int) -> dict:
     read_gbps = read_bytes / kernel_s / 1e9
     return dict(bytes=kv_bytes, kernel_s=kernel_s, read_gbps=read_gbps, copy_gbps=copy_gbps,
                 fraction=read_gbps / copy_gbps)  # fmt: skip
+
+
+def _cache(ns, shape, device, dtype) -> torch.Tensor:
+    """Random K or V in the cache's format."""
+    x = torch.randn(shape, device=device)
+    if ns.kv_cache_dtype == "auto":
+        return x.to(dtype)
+    cache_dtype = kv_quant.storage_dtype(ns.kv_cache_dtype)
+    if kv_quant.is_quantized(cache_dtype):
+        return kv_quant.quantize(x, cache_dtype).view(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def _median_time(fn, device: torch.device, iters: int) -> float:

@@ -2,7 +2,8 @@
 
 Per token, each layer stores a key and a value vector per KV head (GQA: fewer KV heads than query
 heads), so a full-attention layer costs 2 x kv_heads x head_dim x dtype bytes per token of
-context, while a sliding-window layer stops growing at its window. The paged figures add what
+context (int8 / fp8: one byte per value and a 4-byte scale per KV head), while a sliding-window
+layer stops growing at its window. The paged figures add what
 pagedllm's block layout really holds: whole blocks, a window rounded out to blocks plus the one
 being written, and the KV cache groups' unused layer slots (kv_cache_spec.py).
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.config import ModelArchConfig, parse_bytes
-from pagedllm.core.kv_cache_spec import KVCacheSpec
+from pagedllm.core.kv_cache_spec import SCALE_BYTES, KVCacheSpec
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2,
+               "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # fmt: skip
 
 
 @dataclass
@@ -53,11 +55,12 @@ def kv_memory_report(
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     n = max_model_len or config.max_position_embeddings
     elem = DTYPE_BYTES[dtype]
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * elem
+    scale = SCALE_BYTES if elem == 1 else 0  # one-byte codes carry a scale per row
+    per_layer = 2 * config.num_key_value_heads * (config.head_dim * elem + scale)
     windows = [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]
     num_full = sum(w is None for w in windows)
     request = sum(per_layer * (n if w is None else min(n, w)) for w in windows)
-    spec = KVCacheSpec.from_config(config, block_size, elem)
+    spec = KVCacheSpec.from_config(config, block_size, elem, scale)
     return KVMemoryReport(
         name=name or config.architecture,
         config=config,

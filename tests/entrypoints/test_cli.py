@@ -96,7 +96,8 @@ def test_every_engine_flag_round_trips():
 
     args = EngineArgs(
         model="m.gguf", tokenizer="tok", dtype="float16", device="cuda", seed=3,
-        max_model_len=512, block_size=8, kv_cache_memory="1GiB", gpu_memory_utilization=0.5,
+        max_model_len=512, block_size=8, kv_cache_dtype="fp8", kv_cache_memory="1GiB",
+        gpu_memory_utilization=0.5,
         num_gpu_blocks_override=64, max_num_seqs=4, max_num_batched_tokens=1024,
         enable_chunked_prefill=False, enable_prefix_caching=False, preemption_mode="swap",
         swap_space=1.5, attention_backend="sdpa", quantization="int4",

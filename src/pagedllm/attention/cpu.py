@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.sdpa import paged_attention_sdpa, prefill_sdpa
 from pagedllm.kernels import cpu_ops
@@ -69,7 +70,8 @@ def write_kv_cache_cpu(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Like torch_ref.write_kv_cache (its oracle), as one C++ row copy per token."""
-    cpu_ops().reshape_and_cache(
-        key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping
-    )
+    """Like torch_ref.write_kv_cache (its oracle), as one C++ row copy per token (quantized
+    into codes and a scale there for an int8 / fp8 cache)."""
+    if not kv_quant.is_quantized(k_cache):
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    cpu_ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)

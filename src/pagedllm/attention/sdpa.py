@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -26,7 +27,9 @@ def paged_attention_sdpa(
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference.
     `key`/`value` [T, kv_heads, head_dim]: this step's K/V (already in the cache); prompts with
-    no cached context attend to them directly instead of gathering them back from the cache."""
+    no cached context attend to them directly instead of gathering them back from the cache.
+    The caches may hold another float dtype or codes and scales (kv_quant.py): what is read is
+    converted to the query's dtype."""
     out = torch.empty_like(query)
     plan = _decode_plan(meta, query.device, sliding_window)
     if plan is not None:
@@ -93,11 +96,13 @@ def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: 
 
 def _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out) -> None:
     rows, slots, valid = plan
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    shape = (*valid.shape, num_kv_heads, head_dim)  # [B, max_len, kv_heads, d]
+    num_kv_heads, row = k_cache.shape[-2:]
+    shape = (*valid.shape, num_kv_heads, query.shape[-1])  # [B, max_len, kv_heads, d]
     # index_select, not advanced indexing: several times faster on CPU for this gather.
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape)
+    k = k_cache.view(-1, num_kv_heads, row).index_select(0, slots)
+    v = v_cache.view(-1, num_kv_heads, row).index_select(0, slots)
+    k = kv_quant.read_rows(k, query.dtype).view(shape)
+    v = kv_quant.read_rows(v, query.dtype).view(shape)
     o = _attend(
         query[rows].unsqueeze(2),  # [B, H, 1, d]
         k.transpose(1, 2),
@@ -114,7 +119,7 @@ def prefill_sdpa(
     min_query_len=2, key=None, value=None,
 ) -> None:  # fmt: skip
     """One SDPA call per request with at least `min_query_len` query rows, into `out`."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_kv_heads, head_dim = k_cache.shape[-2], query.shape[-1]
     bs = meta.block_size
     qsl = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -136,8 +141,10 @@ def prefill_sdpa(
                 first_block = max(0, num_cached - sliding_window + 1) // bs
             ctx_start = first_block * bs
             block_ids = meta.block_tables[i, first_block : -(-seq_len // bs)].long()
-            k = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
-            v = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+            k = kv_quant.read_rows(k_cache.index_select(0, block_ids), query.dtype)
+            v = kv_quant.read_rows(v_cache.index_select(0, block_ids), query.dtype)
+            k = k.view(-1, num_kv_heads, head_dim)
+            v = v.view(-1, num_kv_heads, head_dim)
             k = k[: seq_len - ctx_start].transpose(0, 1)[None]
             v = v[: seq_len - ctx_start].transpose(0, 1)[None]
         if num_cached == 0 and sliding_window is None:

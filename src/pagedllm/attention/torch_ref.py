@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -20,10 +21,11 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store key/value [T, kv_heads, head_dim] into the caches [num_blocks, block_size, kv_heads,
-    head_dim] at the flat slots slot_mapping[T] (block_id * block_size + offset)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    row] at the flat slots slot_mapping[T] (block_id * block_size + offset); a row is head_dim
+    elements, or codes and a scale in a quantized cache (kv_quant.py)."""
+    num_kv_heads, row = k_cache.shape[-2:]
+    kv_quant.write_rows(k_cache.view(-1, num_kv_heads, row), slot_mapping, key)
+    kv_quant.write_rows(v_cache.view(-1, num_kv_heads, row), slot_mapping, value)
 
 
 def context_slots(block_table: list[int], seq_len: int, block_size: int) -> list[int]:
@@ -50,10 +52,10 @@ def paged_attention_ref(
     their blocks). `logits_soft_cap`: scores become cap * tanh(scores / cap) before the softmax.
     """
     num_heads = query.shape[1]
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_kv_heads, row = k_cache.shape[-2:]
     group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat = k_cache.view(-1, num_kv_heads, row)
+    v_flat = v_cache.view(-1, num_kv_heads, row)
     block_tables = meta.block_tables.tolist()
     out = torch.empty_like(query)
     for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -64,8 +66,10 @@ def paged_attention_ref(
         slots = context_slots(block_tables[i], seq_len, meta.block_size)[ctx_start:]
         slots = torch.tensor(slots, device=k_flat.device)
         # Query head h reads KV head h // group (the GQA/MQA convention of HF's repeat_kv).
-        k = k_flat[slots].float().repeat_interleave(group, dim=1)  # [ctx_len, H, d]
-        v = v_flat[slots].float().repeat_interleave(group, dim=1)
+        k = kv_quant.read_rows(k_flat[slots], torch.float32)  # [ctx_len, kv_heads, d]
+        v = kv_quant.read_rows(v_flat[slots], torch.float32)
+        k = k.repeat_interleave(group, dim=1)  # [ctx_len, H, d]
+        v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [q_len, H, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         if logits_soft_cap is not None:

@@ -13,6 +13,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
+# vLLM's --kv-cache-dtype names; fp8 is e4m3. int8/fp8: one byte per value + a scale per row.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch", "triton")
 # The pre-paging contiguous reservations (core/contiguous_kv_cache_manager.py), for benchmarks.
 CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
@@ -67,6 +69,13 @@ class EngineArgs:
         None, "context length (prompt + output); default: the model's"
     )
     block_size: int = _flag(16, "tokens per KV-cache block")
+    kv_cache_dtype: str = _flag(
+        "auto",
+        "what the KV cache stores: auto (the model's dtype) | float32 | bfloat16 | float16 | "
+        "int8 | fp8 (= fp8_e4m3) | fp8_e5m2; int8 and fp8 keep one byte per value and a float32 "
+        "scale per token and KV head",
+        choices=KV_CACHE_DTYPES,
+    )
     # str first: the CLI keeps the text ("4GiB"), parse_bytes reads it
     kv_cache_memory: str | int | None = _flag(
         None, "KV cache size, in bytes or with a unit (e.g. 2GiB); default 4GiB on CPU"

@@ -32,6 +32,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
+    # What the pool stores: a float dtype name, or int8 / fp8_e4m3 / fp8_e5m2 codes with scales
+    # ("auto" resolved to the model's dtype, "fp8" to fp8_e4m3).
+    cache_dtype: str
     # Bytes of the KV pool; None on a GPU without --kv-cache-memory: profiled at start-up.
     kv_cache_memory: int | None
     gpu_memory_utilization: float
@@ -109,6 +112,7 @@ class EngineConfig:
             ),  # fmt: skip
             cache=CacheConfig(
                 args.block_size,
+                _cache_dtype(args.kv_cache_dtype, dtype),
                 kv_cache_memory,
                 args.gpu_memory_utilization,
                 args.num_gpu_blocks_override,
@@ -127,6 +131,12 @@ class EngineConfig:
             device=DeviceConfig(device, args.attention_backend),
             load=LoadConfig(args.allow_pickle_checkpoints),
         )
+
+
+def _cache_dtype(asked: str, model_dtype: str) -> str:
+    if asked == "auto":
+        return model_dtype
+    return {"fp8": "fp8_e4m3"}.get(asked, asked)
 
 
 def _max_model_len(asked: int | None, limit: int) -> int:

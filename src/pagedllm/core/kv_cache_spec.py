@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 from pagedllm.config import ModelArchConfig
 
+# A quantized (int8 / fp8) cache's row of one token and KV head ends in its float32 scale
+# (attention/kv_quant.py holds the format).
+SCALE_BYTES = 4
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -45,10 +49,13 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype_bytes: int
+    dtype_bytes: int  # per value
+    scale_bytes: int = 0  # per (token, KV head) row: a quantized cache's scale
 
     @classmethod
-    def from_config(cls, config: ModelArchConfig, block_size: int, dtype_bytes: int):
+    def from_config(
+        cls, config: ModelArchConfig, block_size: int, dtype_bytes: int, scale_bytes: int = 0
+    ):
         kinds: dict[int | None, list[int]] = {}
         for layer in range(config.num_hidden_layers):
             kinds.setdefault(config.layer_sliding_window(layer), []).append(layer)
@@ -60,7 +67,10 @@ class KVCacheSpec:
             for window, layers in sorted(kinds.items(), key=lambda kv: kv[0] is not None)
             for i in range(0, len(layers), size)
         )
-        return cls(groups, block_size, config.num_key_value_heads, config.head_dim, dtype_bytes)
+        return cls(
+            groups, block_size, config.num_key_value_heads, config.head_dim, dtype_bytes,
+            scale_bytes,
+        )  # fmt: skip
 
     @property
     def group_size(self) -> int:
@@ -73,14 +83,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return (
-            2
-            * self.group_size
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * (self.dtype_bytes)
-        )
+        rows = 2 * self.group_size * self.block_size * self.num_kv_heads
+        return rows * (self.head_dim * self.dtype_bytes + self.scale_bytes)
 
     def layer_slots(self) -> dict[int, tuple[int, int]]:
         """layer -> (its group, its slot in the pool's first dimension)."""

@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--max-model-len", type=int, default=None,
                     help="tokens per request (default: the model's context length)")  # fmt: skip
     kv.add_argument("--kv-cache-memory", default="4GiB", help="memory for the KV cache")
-    kv.add_argument("--dtype", default="bfloat16", help="KV dtype (default: bfloat16)")
+    kv.add_argument("--dtype", "--kv-cache-dtype", default="bfloat16",
+                    help="what the KV cache stores: float32 | bfloat16 | float16 | int8 | fp8 | "
+                         "fp8_e5m2 (default: bfloat16)")  # fmt: skip
     kv.add_argument("--block-size", type=int, default=16, help="tokens per block")
     manual = kv.add_argument_group("a model by its numbers, instead of MODEL")
     manual.add_argument("--num-layers", type=int)

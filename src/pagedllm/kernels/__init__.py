@@ -24,9 +24,9 @@ from pagedllm.cpu_info import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "norm_rotary.cpp", "quant_linear.cpp",
-                                    "decoder.cpp")]  # fmt: skip
-HEADERS = [CSRC / "ops.h"]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp",
+                                    "quant_linear.cpp", "decoder.cpp")]  # fmt: skip
+HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h"]
 
 
 def _capability_flags() -> list[str]:

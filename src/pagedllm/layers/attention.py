@@ -55,6 +55,10 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.write_kv_cache(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        if k_cache.dtype != key.dtype:
+            # A cache of another dtype or quantized: every read goes through the cache, so a
+            # prompt sees the same K/V whether it was computed now or found in the prefix cache.
+            key = value = None
         out = self.backend.forward(
             query.view(num_tokens, self.num_heads, self.head_dim),
             k_cache,

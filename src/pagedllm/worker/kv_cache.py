@@ -9,24 +9,29 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.config import ModelArchConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.distributed import head_shard
 
 
 def kv_cache_spec(config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    """This rank's KV cache (its share of the KV heads with tensor parallelism)."""
+    """This rank's KV cache (its share of the KV heads with tensor parallelism) of elements of
+    `dtype` (kv_quant.storage_dtype)."""
     element_size = torch.empty((), dtype=dtype).element_size()
+    scale_bytes = kv_quant.SCALE_BYTES if kv_quant.is_quantized(dtype) else 0
     heads = head_shard(config).num_kv_heads
     if heads != config.num_key_value_heads:
         config = dataclasses.replace(config, num_key_value_heads=heads)
-    return KVCacheSpec.from_config(config, block_size, element_size)
+    return KVCacheSpec.from_config(config, block_size, element_size, scale_bytes)
 
 
 class KVCache:
-    """One preallocated pool [group_size, 2, num_blocks, block_size, kv_heads, head_dim]: each
-    layer's K and V are the [num_blocks, block_size, kv_heads, head_dim] tensors of its slot
+    """One preallocated pool [group_size, 2, num_blocks, block_size, kv_heads, row]: each
+    layer's K and V are the [num_blocks, block_size, kv_heads, row] tensors of its slot
     (core/kv_cache_spec.py); without sliding windows there is one group and slot i is layer i.
+    A row is head_dim values of `dtype`, or, for int8 / fp8, head_dim codes and their scale in
+    a uint8 pool whose layer views are typed with the codes' dtype (attention/kv_quant.py).
     The swap space, when there is one, has the same layout in host memory."""
 
     def __init__(
@@ -41,19 +46,20 @@ class KVCache:
     ) -> None:
         self.dtype, self.device = dtype, device
         self._copy = copy_blocks  # (src pool, dst pool, src ids, dst ids): the backend's kernel
-        shape = (spec.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        row = kv_quant.row_elements(spec.head_dim, dtype)
+        shape = (spec.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
+        pool_dtype = torch.uint8 if kv_quant.is_quantized(dtype) else dtype
+        self.pool = torch.zeros(shape, dtype=pool_dtype, device=device)
         slots = spec.layer_slots()
-        self.layers = [
-            (self.pool[slots[i][1], 0], self.pool[slots[i][1], 1]) for i in range(num_layers)
-        ]
+        typed = self.pool.view(dtype)
+        self.layers = [(typed[slots[i][1], 0], typed[slots[i][1], 1]) for i in range(num_layers)]
         self.swap_pool = None
         if num_cpu_blocks:
             # Pinned when the cache is on a GPU, so that copies are DMA; on CPU it is separate
             # memory from the pool all the same.
             shape = (*shape[:2], num_cpu_blocks, *shape[3:])
             pin = device.type == "cuda"
-            self.swap_pool = torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pin)
+            self.swap_pool = torch.zeros(shape, dtype=pool_dtype, device="cpu", pin_memory=pin)
         self.num_copied_blocks = 0  # copy-on-write block copies done, for tests and stats
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -66,7 +72,7 @@ class KVCache:
         if swap_out:
             dev, cpu = (torch.tensor(ids, dtype=torch.long) for ids in zip(*swap_out, strict=True))
             shape = (*pool.shape[:2], len(dev), *pool.shape[3:])
-            staged = torch.empty(shape, dtype=self.dtype, device=self.device)
+            staged = torch.empty(shape, dtype=pool.dtype, device=self.device)
             self._copy(pool, staged, dev.to(self.device), dev_arange(len(dev)))
             self.swap_pool.index_copy_(2, cpu, staged.cpu())
             self.num_swapped_out_blocks += len(swap_out)

@@ -52,7 +52,7 @@ class ModelRunner:
         config: ModelArchConfig,
         block_size: int,
         device: torch.device,
-        dtype: torch.dtype,
+        cache_dtype: torch.dtype,
         seed: int = 0,
         attention_backend: str = "auto",
     ) -> None:
@@ -60,8 +60,8 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
-        self.kv_cache_spec = kv_cache_spec(config, block_size, dtype)
+        self.cache_dtype = cache_dtype  # the KV pool's elements (attention/kv_quant.py)
+        self.kv_cache_spec = kv_cache_spec(config, block_size, cache_dtype)
         self.sampler = Sampler(seed=seed)
         # Per request id: sample index -> the generator of a seeded sample, created on its first
         # token and carried across steps (and preemptions) until the request finishes.
@@ -74,7 +74,7 @@ class ModelRunner:
         self.kv_cache = None  # the old pool goes before the new one is allocated
         self.kv_cache = KVCache(
             self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, num_cpu_blocks,
-            self.dtype, self.device, self._copy_blocks,
+            self.cache_dtype, self.device, self._copy_blocks,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -84,7 +84,7 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         num_blocks = -(-num_tokens // bs)
         cache = KVCache(self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, 0,
-                        self.dtype, dev, self._copy_blocks)  # fmt: skip
+                        self.cache_dtype, dev, self._copy_blocks)  # fmt: skip
         tables = [np.arange(num_blocks, dtype=np.int32)[None]] * len(self.kv_cache_spec.groups)
         positions = np.arange(num_tokens)
         meta = self._attention_metadata(tables, positions, np.zeros(num_tokens, np.int64),

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.selector import resolve_backend_name
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
@@ -85,8 +86,15 @@ class Worker:
         if self.model_runner is not None:
             self.model_runner.kv_cache = None  # free the old pool before sizing the new one
         m = self.config.model
+        cache_dtype = kv_quant.storage_dtype(cache.cache_dtype)
+        if self.attention_backend == "triton" and cache_dtype != self.dtype:
+            raise ValueError(
+                f"--kv-cache-dtype {cache.cache_dtype} is not supported by the 'triton' attention "
+                f"backend (its caches hold the model's dtype, {m.dtype}): use --attention-backend "
+                "sdpa, or --kv-cache-dtype auto"
+            )
         self.model_runner = ModelRunner(
-            self.model, m.arch, cache.block_size, self.device, self.dtype, seed=m.seed,
+            self.model, m.arch, cache.block_size, self.device, cache_dtype, seed=m.seed,
             attention_backend=self.attention_backend,
         )  # fmt: skip
         return True
@@ -113,11 +121,12 @@ class Worker:
         max_len = sched.max_model_len
         blocks_per_request = spec.max_num_blocks(max_len)
         peak = spec.max_num_blocks(max_len, chunk=sched.max_num_batched_tokens)
+        stored = cache.cache_dtype + (" + a scale per row" if spec.scale_bytes else "")
         logger.info(
-            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB (%s); "
+            "KV cache: %d blocks of %d tokens x %d layers, %.2f GiB of %s (%s); "
             "a %d-token request holds %d blocks (%.1f MiB): maximum concurrency %.2fx",
             num_blocks, cache.block_size, spec.group_size, num_blocks * bytes_per_block / 2**30,
-            spec.describe(), max_len, blocks_per_request,
+            stored, spec.describe(), max_len, blocks_per_request,
             blocks_per_request * bytes_per_block / 2**20, num_blocks / blocks_per_request,
         )  # fmt: skip
         if num_blocks < peak:

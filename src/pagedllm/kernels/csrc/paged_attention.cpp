@@ -8,10 +8,14 @@
 // and seq_len context tokens sits at position seq_len - q_len + r and sees keys up to it (and,
 // with a sliding window, above position - window).
 //
+// The cache may hold another dtype than the query, or codes with a scale per row
+// (kv_format.h): rows are widened to float as they are loaded, so the loop is the same.
+//
 // Vectorised with ATen's at::vec (AVX-512, AVX2 or plain C++, chosen when it is built).
 
 #include <torch/extension.h>
 
+#include "kv_format.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -31,7 +35,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim up to 16 vectors (256 with AVX-512)
 
-// A row of n * Vec::size() elements of any cache dtype, as floats, into dst (registers or memory).
+// Vec::size() elements of a float dtype, as floats.
 template <typename T>
 inline Vec load_vec(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
@@ -43,14 +47,20 @@ inline Vec load_vec(const T* src) {
   }
 }
 
-template <typename T>
-inline void row_to_float(const T* src, float* dst, int64_t num_vecs) {
-  for (int64_t i = 0; i < num_vecs; ++i) load_vec(src + i * Vec::size()).store(dst + i * Vec::size());
-}
-
 inline float reduce_sum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
+
+#if defined(CPU_CAPABILITY_AVX2)
+// Lane t of the result: the sum of a[t]'s eight lanes.
+inline __m256 sum8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // s0123 = [a0..a3 over lanes 0-3, a0..a3 over lanes 4-7]; likewise s4567 for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
 
 // One (row, head) slot against keys [lo, hi) of a float block (k, v: [block_size][head_dim]):
 // scores, online-softmax update of (run_max, run_sum), and the weighted sum of V into acc.
@@ -66,7 +76,36 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
   Vec qv[kRegs], av[kRegs];
   for (int64_t i = 0; i < n; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
   float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t j = lo; j < hi; ++j) {
+  int64_t j = lo;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kVecs > 0) {
+    // Eight keys at a time: eight independent FMA chains, then one horizontal reduction for
+    // all eight (a key's score does not depend on how many keys are around it).
+    __m256 vmax = _mm256_set1_ps(block_max);
+    for (; j + 8 <= hi; j += 8) {
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) {
+        const float* kj = k + (j + t) * head_dim;
+        __m256 sum = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+        for (int i = 1; i < kVecs; ++i) sum = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kj + 8 * i), sum);
+        acc[t] = sum;
+      }
+      __m256 x = sum8(acc);
+      if (cap > 0.f) {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, x);
+        for (float& y : tmp) y = cap * std::tanh(y / cap);
+        x = _mm256_load_ps(tmp);
+      }
+      _mm256_storeu_ps(scores + j, x);
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float y : lanes) block_max = std::max(block_max, y);
+  }
+#endif
+  for (; j < hi; ++j) {
     const float* kj = k + j * head_dim;
     Vec sum = qv[0] * Vec::loadu(kj);
     for (int64_t i = 1; i < n; ++i) sum = at::vec::fmadd(qv[i], Vec::loadu(kj + i * Vec::size()), sum);
@@ -114,7 +153,7 @@ struct WorkItem {
   int64_t req, kv_head, row_begin, row_end;  // rows: flattened query indices
 };
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void paged_attention_kernel(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -128,8 +167,8 @@ void paged_attention_kernel(
   const int64_t num_vecs = head_dim / Vec::size();
 
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const auto* k_ptr = static_cast<const cache_t*>(k_cache.data_ptr());
+  const auto* v_ptr = static_cast<const cache_t*>(v_cache.data_ptr());
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -192,6 +231,20 @@ void paged_attention_kernel(
         const int64_t j_begin = std::max<int64_t>(key_begin - base, 0);
         const int64_t j_end = std::min<int64_t>(key_end - base, block_size);
         const int64_t offset = table[blk] * c_block + it.kv_head * c_head;
+        if ((blk + 1) * block_size < key_end) {
+          // The next block is anywhere in the pool: ask for its rows of this head now, so they
+          // arrive while this block is worked on (the hardware prefetcher cannot guess it).
+          const int64_t next = table[blk + 1] * c_block + it.kv_head * c_head;
+          const int64_t row_bytes = k_cache.size(3) * static_cast<int64_t>(sizeof(cache_t));
+          for (int64_t j = 0; j < block_size; ++j) {
+            const char* kr = reinterpret_cast<const char*>(k_ptr + next + j * c_token);
+            const char* vr = reinterpret_cast<const char*>(v_ptr + next + j * c_token);
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+              __builtin_prefetch(kr + b);
+              __builtin_prefetch(vr + b);
+            }
+          }
+        }
         // The block's K and V rows of this head, as floats, once for all the tile's slots.
         for (int64_t j = j_begin; j < j_end; ++j) {
           row_to_float(k_ptr + offset + j * c_token, &k_buf[j * head_dim], num_vecs);
@@ -230,19 +283,20 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                      int64_t sliding_window, double logits_soft_cap, int64_t skip_prefill_from) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [T, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "k/v caches: [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v caches: [num_blocks, block_size, kv_heads, row], one dtype");
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share a layout");
-  TORCH_CHECK(query.size(2) == k_cache.size(3), "head_dim differs between query and cache");
+  TORCH_CHECK(row_elements(query.size(2), k_cache.scalar_type()) == k_cache.size(3),
+              "the cache's rows do not hold the query's head_dim (", query.size(2), ") in ",
+              k_cache.scalar_type());
   TORCH_CHECK(query.size(2) % Vec::size() == 0 && query.size(2) <= kMaxHeadVecs * Vec::size(),
               "head_dim must be a multiple of ", Vec::size(), " and at most ",
               kMaxHeadVecs * Vec::size());
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
               "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, out and caches must have one dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must have one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "block_tables, seq_lens, query_start_loc: int32");
@@ -252,58 +306,27 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
                   block_tables.size(0) == seq_lens.size(0),
               "one table and length per request");
-  auto run = [&](auto tag) {
-    paged_attention_kernel<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                          query_start_loc, scale, sliding_window,
-                                          logits_soft_cap, skip_prefill_from);
+  auto run = [&](auto query_tag, auto cache_tag) {
+    paged_attention_kernel<decltype(query_tag), decltype(cache_tag)>(
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        sliding_window, logits_soft_cap, skip_prefill_from);
+  };
+  auto with_cache = [&](auto query_tag) {
+    switch (k_cache.scalar_type()) {
+      case at::kFloat: run(query_tag, float{}); break;
+      case at::kBFloat16: run(query_tag, at::BFloat16{}); break;
+      case at::kHalf: run(query_tag, at::Half{}); break;
+      case at::kChar: run(query_tag, int8_t{}); break;
+      case at::kFloat8_e4m3fn: run(query_tag, c10::Float8_e4m3fn{}); break;
+      case at::kFloat8_e5m2: run(query_tag, c10::Float8_e5m2{}); break;
+      default: TORCH_CHECK(false, "paged_attention: no KV cache of ", k_cache.scalar_type());
+    }
   };
   switch (query.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(at::BFloat16{}); break;
-    case at::kHalf: run(at::Half{}); break;
+    case at::kFloat: with_cache(float{}); break;
+    case at::kBFloat16: with_cache(at::BFloat16{}); break;
+    case at::kHalf: with_cache(at::Half{}); break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, not ", query.scalar_type());
-  }
-}
-
-// key/value [T, kv_heads, head_dim] into the caches at flat slots slot_mapping[T]
-// (block_id * block_size + offset): vLLM's reshape_and_cache. A row copy per token; torch's
-// index_copy_ over the cache's flattened view took ~0.2 ms per call for 64 tokens here.
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
-                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key/value: [T, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.strides() == v_cache.strides(),
-              "k/v caches: [num_blocks, block_size, kv_heads, head_dim], one layout");
-  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
-              "key/value heads and head_dim must match the cache");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
-              "key/value must have the cache's dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.size(0) == key.size(0),
-              "slot_mapping: [T] int64");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
-                  k_cache.stride(2) == k_cache.size(3) && k_cache.stride(3) == 1,
-              "each cache token row and each key/value head must be contiguous");
-  const int64_t num_tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
-  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
-  const int64_t row_bytes = head_dim * key.element_size();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
-  }
-  auto* k_base = static_cast<char*>(k_cache.data_ptr());
-  auto* v_base = static_cast<char*>(v_cache.data_ptr());
-  const auto* key_ptr = static_cast<const char*>(key.data_ptr());
-  const auto* value_ptr = static_cast<const char*>(value.data_ptr());
-  const int64_t es = key.element_size();
-  const int64_t c_block = k_cache.stride(0) * es, c_token = k_cache.stride(1) * es;
-  const int64_t c_head = k_cache.stride(2) * es;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t dst = (slots[t] / block_size) * c_block + (slots[t] % block_size) * c_token;
-    for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(k_base + dst + h * c_head, key_ptr + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
-      std::memcpy(v_base + dst + h * c_head, value_ptr + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
-    }
   }
 }
 
@@ -312,15 +335,15 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 void register_norm_rotary(pybind11::module& m);  // norm_rotary.cpp
 void register_quant_linear(pybind11::module& m);  // quant_linear.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
+void register_kv_cache(pybind11::module& m);  // kv_cache.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_norm_rotary(m);
   register_quant_linear(m);
   register_decoder(m);
+  register_kv_cache(m);
   m.attr("vec_size") = static_cast<int64_t>(pagedllm::Vec::size());  // head_dim must be a multiple
   m.attr("max_head_dim") = static_cast<int64_t>(pagedllm::kMaxHeadVecs * pagedllm::Vec::size());
-  m.def("reshape_and_cache", &pagedllm::reshape_and_cache,
-        "write key/value [T, kv_heads, head_dim] into the caches at slot_mapping [T] (int64)");
   // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
   m.def("paged_attention", &pagedllm::paged_attention, py::call_guard<py::gil_scoped_release>(),
         "paged attention over the block tables: (out, query, k_cache, v_cache, block_tables, "
