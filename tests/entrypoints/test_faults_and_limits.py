@@ -8,6 +8,7 @@ and bind defaults run `pagedllm serve` as a subprocess.
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -511,6 +512,8 @@ def test_prompts_reach_the_log_only_with_the_flag(tiny_model, log_requests):
         proc.wait(30)
     log = "".join(lines)
     assert "server stopped" in log
+    # The start-up line: where the time to serving went.
+    assert re.search(r"ready in [0-9.]+ s: imports [0-9.]+ s, engine [0-9.]+ s, server", log), log
     assert (secret in log) == log_requests, log
     if log_requests:  # the three requests that reached the engine
         assert sum(secret in line for line in lines) == 3, log

@@ -13,6 +13,9 @@ import typing
 from pagedllm.config import EngineArgs, parse_bytes
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
+# The command line's start (its torch-free imports done), for serve's start-up line.
+STARTED = time.perf_counter()
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine group: a flag for each EngineArgs field with a help text (config/engine_args.py).
@@ -204,12 +207,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import run_server
 
+    imported = time.perf_counter()
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     config = server_config_from(ns)
     engine = LLMEngine(engine_args_from(ns))
+    phases = {"imports": imported - STARTED, "engine": time.perf_counter() - imported}
     # run_server runs the engine loop on this thread
-    run_server(AsyncLLMEngine(engine, start_thread=False), config)
+    run_server(AsyncLLMEngine(engine, start_thread=False), config, started=(STARTED, phases))
     return 0
 
 

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -272,10 +273,23 @@ class _Server(uvicorn.Server):
     engine: open streams end with an error event and [DONE], waiting requests get a 503, so
     every connection closes cleanly instead of being cancelled mid-response."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine, grace: float):
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine, grace: float,
+                 started: tuple[float, dict[str, float]] | None = None):  # fmt: skip
         super().__init__(config)
         self.async_engine = async_engine
         self.grace = grace
+        self.started = started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started is not None and not self.should_exit:
+            # Where the time to the first answer goes: imports, the engine (model, kernels, KV
+            # pool), the server's own start.
+            start, phases = self.started
+            total = time.perf_counter() - start
+            parts = [f"{name} {seconds:.1f} s" for name, seconds in phases.items()]
+            parts.append(f"server {total - sum(phases.values()):.1f} s")
+            logger.info("ready in %.1f s: %s", total, ", ".join(parts))
 
     async def shutdown(self, sockets=None) -> None:
         async def stop_engine_later() -> None:
@@ -290,9 +304,15 @@ class _Server(uvicorn.Server):
             stopper.cancel()
 
 
-def run_server(async_engine: AsyncLLMEngine, config: ServerConfig) -> None:
+def run_server(
+    async_engine: AsyncLLMEngine,
+    config: ServerConfig,
+    started: tuple[float, dict[str, float]] | None = None,
+) -> None:
     """Serve at config.host:config.port until Ctrl-C or SIGTERM (uvicorn's handlers): running
-    requests get config.graceful_shutdown_timeout seconds to finish, then the engine loop stops."""
+    requests get config.graceful_shutdown_timeout seconds to finish, then the engine loop stops.
+    `started`: (time.perf_counter() when the command began, seconds per phase since), logged
+    with the server's own share once it listens."""
     config = config.named(async_engine.engine.model_name)
     host, port, grace = config.host, config.port, config.graceful_shutdown_timeout
     app = build_app(async_engine, config)
@@ -300,7 +320,7 @@ def run_server(async_engine: AsyncLLMEngine, config: ServerConfig) -> None:
     uvicorn_config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace + 5
     )
-    server = _Server(uvicorn_config, async_engine, grace)
+    server = _Server(uvicorn_config, async_engine, grace, started)
     logger.info("serving %s at http://%s:%d/v1", config.served_model_name, host, port)
     if config.enable_dashboard:
         logger.info("KV-cache dashboard at http://%s:%d/dashboard", host, port)
