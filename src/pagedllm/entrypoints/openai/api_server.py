@@ -278,14 +278,14 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.async_engine = async_engine
         self.grace = grace
-        self.started = started
+        self.start_phases = started  # not `started`: uvicorn's own flag
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
-        if self.started is not None and not self.should_exit:
+        if self.start_phases is not None and not self.should_exit:
             # Where the time to the first answer goes: imports, the engine (model, kernels, KV
             # pool), the server's own start.
-            start, phases = self.started
+            start, phases = self.start_phases
             total = time.perf_counter() - start
             parts = [f"{name} {seconds:.1f} s" for name, seconds in phases.items()]
             parts.append(f"server {total - sum(phases.values()):.1f} s")
