@@ -1,7 +1,7 @@
 // Writing this step's K/V into the paged cache (vLLM's reshape_and_cache): a row copy per token
-// and KV head into a float cache (converted first if it has another dtype), or the row quantized into codes and a scale
-// (kv_format.h) in an int8 / fp8 cache. torch's index_copy_ over the cache's flattened view took
-// ~0.2 ms per call for 64 tokens here.
+// and KV head into a float cache (converted first if it has another dtype), or the row quantized
+// into codes and a scale (kv_format.h) in an int8 / fp8 cache. torch's index_copy_ over the
+// cache's flattened view took ~0.2 ms per call for 64 tokens here.
 
 #include <torch/extension.h>
 

@@ -181,6 +181,7 @@ void paged_attention_kernel(
   const float cap = static_cast<float>(logits_soft_cap);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const AttendFn attend = attend_for(num_vecs);
+  const int64_t row_bytes = k_cache.size(3) * static_cast<int64_t>(sizeof(cache_t));
 
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_reqs; ++i) {
@@ -235,7 +236,6 @@ void paged_attention_kernel(
           // The next block is anywhere in the pool: ask for its rows of this head now, so they
           // arrive while this block is worked on (the hardware prefetcher cannot guess it).
           const int64_t next = table[blk + 1] * c_block + it.kv_head * c_head;
-          const int64_t row_bytes = k_cache.size(3) * static_cast<int64_t>(sizeof(cache_t));
           for (int64_t j = 0; j < block_size; ++j) {
             const char* kr = reinterpret_cast<const char*>(k_ptr + next + j * c_token);
             const char* vr = reinterpret_cast<const char*>(v_ptr + next + j * c_token);
