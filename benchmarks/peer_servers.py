@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from benchmarks.peer_workloads import Scenario
 from pagedllm.bench.hf_baseline import eos_ids, load_hf_model, resolve_hf_source, run_hf
 from pagedllm.bench.utils import cpu_counters, free_port, others_cpu_share
 from pagedllm.bench.workload import WorkloadRequest
@@ -122,8 +125,10 @@ def measure_http(
     decode_request: WorkloadRequest,
     pids: list[int],
     label: str,
+    scenarios: list[Scenario] = (),
 ) -> dict[str, Any]:
-    """The workload at each concurrency, then the single-stream decode, against one server."""
+    """The workload at each concurrency, the single-stream decode, then the scenarios, against
+    one server."""
     from pagedllm.bench.serve import run_benchmark
 
     model = _served_model(url)
@@ -146,10 +151,48 @@ def measure_http(
     decode["others_cpu_share"] = others_cpu_share(before, counters_with(pids))
     result["decode"] = decode
     _print_decode(label, decode)
+    result["scenarios"] = {s.name: measure_scenario(url, model, s, pids, label) for s in scenarios}
     return result
 
 
-def run_pagedllm(ns, engine_args, requests, decode_request, workdir: Path) -> dict[str, Any]:
+def measure_scenario(url: str, model: str, sc: Scenario, pids: list[int], label: str):
+    """Output tokens/s of the scenario's requests at its concurrency; or, for a prefill
+    scenario, prompt tokens/s of each request alone (median over them), from its time to first
+    token."""
+    from pagedllm.bench.serve import run_benchmark
+
+    before = counters_with(pids)
+    expected = sum(n for _, n in sc.requests)
+    if sc.prefill:
+        summaries = [asyncio.run(run_benchmark(url, [r], model, math.inf, 1)) for r in sc.requests]
+        ttft_ms = [s["mean_ttft_ms"] for s in summaries]
+        generated = sum(s["total_output_tokens"] for s in summaries)
+        prompt_len = len(sc.requests[0][0])
+        median = float(np.median(ttft_ms))
+        result = {
+            "ttft_ms": ttft_ms,
+            "tokens_per_s": prompt_len / (median / 1e3) if median > 0 else 0.0,
+            "num_output_tokens": generated,
+            "expected_output_tokens": expected,
+            "tokens_match": generated == expected and not any(s["failed"] for s in summaries),
+        }
+        what = f"{result['tokens_per_s']:.1f} prompt tokens/s (TTFT {median:.0f} ms, median)"
+    else:
+        summary = asyncio.run(run_benchmark(url, sc.requests, model, math.inf, sc.concurrency))
+        result = _rate(summary, expected)
+        result["tokens_per_s"] = result["output_tokens_per_s"]
+        what = f"{result['tokens_per_s']:.1f} output tokens/s"
+    result["others_cpu_share"] = others_cpu_share(before, counters_with(pids))
+    print(f"[{label}] {sc.label}: {what}{_busy_note(result['others_cpu_share'])}")
+    if not result["tokens_match"]:
+        print(f"warning: [{label}] {sc.label}: {result['num_output_tokens']} output tokens, "
+              f"{expected} requested", file=sys.stderr)  # fmt: skip
+    return result
+
+
+def run_pagedllm(
+    ns, engine_args, requests, decode_request, workdir: Path, scenarios=()
+) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
@@ -159,7 +202,9 @@ def run_pagedllm(ns, engine_args, requests, decode_request, workdir: Path) -> di
     t0 = time.perf_counter()
     with server_process(argv, url, log_path) as proc:
         print(f"[pagedllm] serving at {url} after {time.perf_counter() - t0:.1f} s")
-        result = measure_http(url, requests, ns.concurrency, decode_request, [proc.pid], "pagedllm")
+        result = measure_http(
+            url, requests, ns.concurrency, decode_request, [proc.pid], "pagedllm", scenarios
+        )
     weights = _log_match(log_path, r"weights: ([^\n]*)")
     result.update(
         command=" ".join(argv),
@@ -208,10 +253,13 @@ def gguf_file_type(path: Path) -> str | None:
     """A GGUF's general.file_type by name (e.g. Q4_1): the weights llama.cpp computes with."""
     import gguf
 
+    from pagedllm.model_loader.gguf_file import GGUFFile
+
     try:
-        field = gguf.GGUFReader(path).fields["general.file_type"]
-        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
-    except (KeyError, ValueError, IndexError, OSError):
+        return gguf.LlamaFileType(GGUFFile(path).metadata["general.file_type"]).name.removeprefix(
+            "MOSTLY_"
+        )
+    except (KeyError, ValueError, OSError):
         return None
 
 
@@ -222,9 +270,12 @@ def _build_note(binary: str) -> str | None:
     return note.read_text().strip() if note.is_file() else None
 
 
-def run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir: Path) -> dict[str, Any]:
-    parallel = max(ns.concurrency)
-    longest = max(len(p) + n for p, n in [*requests, decode_request])
+def run_llama_cpp(
+    ns, binary, gguf, requests, decode_request, workdir: Path, scenarios=()
+) -> dict[str, Any]:
+    parallel = max([*ns.concurrency, *(sc.concurrency for sc in scenarios)])
+    every = [*requests, decode_request, *(r for sc in scenarios for r in sc.requests)]
+    longest = max(len(p) + n for p, n in every)
     slot_ctx = -(-(longest + 16) // 256) * 256
     threads = ns.llama_threads or os.cpu_count() or 1
     port = free_port()
@@ -235,7 +286,7 @@ def run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir: Path) -> 
     with server_process(argv, url, log_path) as proc:
         print(f"[llama.cpp] serving at {url} after {time.perf_counter() - t0:.1f} s")
         result = measure_http(
-            url, requests, ns.concurrency, decode_request, [proc.pid], "llama.cpp"
+            url, requests, ns.concurrency, decode_request, [proc.pid], "llama.cpp", scenarios
         )
     file_type = gguf_file_type(gguf)
     result.update(

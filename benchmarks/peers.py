@@ -11,7 +11,9 @@ exactly its own output length) goes, one system after the other on the same mach
 - Hugging Face transformers' `generate` in static, left-padded batches, on the same GGUF's
   weights dequantized to float32 (the runner of `pagedllm bench throughput --baseline hf`).
 
-How each system is started and measured is peer_servers.py.
+How each system is started and measured is peer_servers.py. After the sweep, both servers also
+run the scenarios of peer_workloads.py (long prompts, a shared prefix, prefill tokens/s at 512
+and 2,048 tokens); HF's static batches do not.
 
 Both servers get the workload from `bench serve`'s streaming client, at most C requests in flight
 for each concurrency C; the static batching of HF uses batch size C. Each reports useful output
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, peer_workloads
 from benchmarks.peer_servers import run_hf_peer, run_llama_cpp, run_pagedllm
 from pagedllm.bench.hf_baseline import resolve_hf_source
 from pagedllm.bench.utils import table_lines, write_json
@@ -92,11 +94,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--llama-threads", type=int, default=None,
                        help="llama-server's threads (default: every core)")  # fmt: skip
     group.add_argument("--output-json", default=None, help="write every figure to this JSON file")
+    peer_workloads.add_cli_args(group)
 
 
 # -- reporting -------------------------------------------------------------------------------------
 def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -123,6 +130,9 @@ def add_ratios(results: dict[str, Any]) -> None:
             row["decode"] = _ratio(
                 paged["decode"]["decode_tokens_per_s"], other["decode"]["decode_tokens_per_s"]
             )
+            for name, r in paged.get("scenarios", {}).items():
+                if name in other.get("scenarios", {}):
+                    row[name] = _ratio(r["tokens_per_s"], other["scenarios"][name]["tokens_per_s"])
             ratios[peer] = row
     results["pagedllm_over_peer"] = ratios
 
@@ -139,20 +149,28 @@ def format_table(results: dict[str, Any]) -> str:
         key = str(c)
         row = [f"concurrency {c}"]
         row += [_fmt(systems[p]["by_concurrency"][key]["output_tokens_per_s"]) for p in present]
-        row += [_fmt(ratios[p].get(key), ".2f") + "x" for p in ratios]
+        row += [_times(ratios[p].get(key)) for p in ratios]
         rows.append(tuple(row))
     row = ["single-stream decode"]
     row += [_fmt(systems[p]["decode"]["decode_tokens_per_s"]) for p in present]
-    row += [_fmt(ratios[p].get("decode"), ".2f") + "x" for p in ratios]
+    row += [_times(ratios[p].get("decode")) for p in ratios]
     rows.append(tuple(row))
+    for name, label in results.get("scenario_labels", {}).items():
+        row = [label]
+        row += [_fmt(systems[p].get("scenarios", {}).get(name, {}).get("tokens_per_s"))
+                for p in present]  # fmt: skip
+        row += [_times(ratios[p].get(name)) for p in ratios]
+        rows.append(tuple(row))
     lines = table_lines(rows)
-    lines.append("(HF: static batches of the concurrency's size; its decode: one request alone)")
+    if "hf" in present:
+        lines.append("(HF: static batches of the concurrency's size; its decode: one request "
+                     "alone; no scenarios)")  # fmt: skip
     for p in present:
         lines.append(f"{names[p]} ran: {systems[p]['dtype']}")
     mismatched = [
         f"{names[p]} at {what}"
         for p in present
-        for what, r in [*systems[p]["by_concurrency"].items(), ("decode", systems[p]["decode"])]
+        for what, r in _checked(systems[p])
         if not r["tokens_match"]
     ]
     if mismatched:
@@ -160,6 +178,12 @@ def format_table(results: dict[str, Any]) -> str:
     for peer, error in results.get("failed", {}).items():
         lines.append(f"FAILED: {names[peer]}: {error.splitlines()[0]}")
     return "\n".join(lines)
+
+
+def _checked(system: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every measurement of a system whose generated token count is checked."""
+    return [*system["by_concurrency"].items(), ("decode", system["decode"]),
+            *system.get("scenarios", {}).items()]  # fmt: skip
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -182,7 +206,12 @@ def _workload(ns, engine_args: EngineArgs):
     ordinary = np.array([i for i in range(size) if i not in special])
     rng = np.random.default_rng(ns.workload_seed + 1)
     decode_prompt = rng.choice(ordinary, ns.decode_prompt_len).tolist()
-    return name, requests, (decode_prompt, ns.decode_output_len)
+    scenarios, notes = peer_workloads.build(
+        ns, ordinary, special, size, max_model_len, ns.workload_seed
+    )
+    for note in notes:
+        print(f"note: skipping scenario {note} (max_model_len)")
+    return name, requests, (decode_prompt, ns.decode_output_len), scenarios
 
 
 def _resolve_peers(ns, engine_args: EngineArgs) -> tuple[list[str], str | None, Path | None]:
@@ -217,7 +246,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     if ns.decode_prompt_len < 1 or ns.decode_output_len < 2:
         raise ValueError("--decode-prompt-len must be >= 1 and --decode-output-len >= 2")
     peers, binary, gguf = _resolve_peers(ns, engine_args)
-    model_name, requests, decode_request = _workload(ns, engine_args)
+    model_name, requests, decode_request, scenarios = _workload(ns, engine_args)
     num_in = sum(len(p) for p, _ in requests)
     num_out = sum(n for _, n in requests)
     print(
@@ -242,7 +271,17 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             "num_output_tokens": num_out,
             "decode_prompt_len": ns.decode_prompt_len,
             "decode_output_len": ns.decode_output_len,
+            "scenarios": {
+                s.name: {
+                    "num_requests": len(s.requests),
+                    "concurrency": s.concurrency,
+                    "prompt_lens": [len(p) for p, _ in s.requests],
+                    "output_lens": [n for _, n in s.requests],
+                }
+                for s in scenarios
+            },
         },  # fmt: skip
+        "scenario_labels": {s.name: s.label for s in scenarios},
         "systems": {},
     }
     systems = results["systems"]
@@ -250,8 +289,12 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedllm-peers-") as tmp:
         workdir = Path(tmp)
         runs = {
-            "pagedllm": lambda: run_pagedllm(ns, engine_args, requests, decode_request, workdir),
-            "llama.cpp": lambda: run_llama_cpp(ns, binary, gguf, requests, decode_request, workdir),
+            "pagedllm": lambda: run_pagedllm(
+                ns, engine_args, requests, decode_request, workdir, scenarios
+            ),
+            "llama.cpp": lambda: run_llama_cpp(
+                ns, binary, gguf, requests, decode_request, workdir, scenarios
+            ),
             "hf": lambda: run_hf_peer(ns, engine_args, requests, decode_request),
         }
         for peer in peers:
@@ -265,11 +308,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     print(format_table(results))
     if ns.output_json:
         write_json(ns.output_json, results)
-    ok = all(
-        r["tokens_match"]
-        for s in systems.values()
-        for r in [*s["by_concurrency"].values(), s["decode"]]
-    )
+    ok = all(r["tokens_match"] for s in systems.values() for _, r in _checked(s))
     return 0 if ok and not failed else 1
 
 

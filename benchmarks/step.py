@@ -15,6 +15,8 @@ a `StepTimer` is open and restored when it closes (scheduler.schedule, runner.ex
 runner.prepare_inputs, runner.execute, model.forward, model.compute_logits, runner.sample): the
 engine runs its real code, nothing is mocked or changed for measuring.
 Model FLOPs utilisation of phases 1 and 2 uses the GEMM peak measured at the end (roofline.py).
+On a CPU the decode step is also set against two floors (step_ceilings.py): reading its bytes once
+(the target at --num-running 1) and its own projections run alone at its shapes (at 64).
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import random
 import statistics
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
-from benchmarks import common
+from benchmarks import common, step_ceilings
+from benchmarks.step_timer import StepTimer, breakdown, breakdown_table
 from pagedllm.bench import roofline
-from pagedllm.bench.utils import table_lines, write_json
+from pagedllm.bench.utils import write_json
 from pagedllm.config import EngineArgs
 
 # The issue's targets.
@@ -39,18 +41,10 @@ TARGET_PREFILL_TOKENS_PER_S = 1000.0  # 512-token prompt, default model
 TARGET_SCHEDULE_MS = 5.0  # schedule() with 256 running
 TARGET_MFU = 0.50
 TARGET_STREAMING_RATIO = 1.5  # one stream's decode step against reading its bytes once
+TARGET_GEMM_RATIO = 1.3  # a decode step at 64 running against its own GEMMs alone
+GEMM_TARGET_RUNNING = 64
 SCHEDULE_PROMPT_LEN = 16  # the schedule phase's prompts: short, as only schedule() is timed
 PROFILE_ROWS = 15
-
-# Parts of a step, in table order; they sum to the step time.
-PARTS = (
-    "schedule",
-    "prepare_inputs",
-    "forward",
-    "logits_and_sampling",
-    "update_and_outputs",
-    "other_in_execute_model",
-)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -96,137 +90,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--output-json", type=str, default=None,
                        help="write every figure to this JSON file")  # fmt: skip
-
-
-# -- timing the parts of a step ----------------------------------------------------------------
-class StepTimer:
-    """While open (a context manager), each `step()` returns the seconds spent in every part of
-    one engine step, and what the step's batch was made of. It wraps public methods on the
-    engine's own instances (never their classes) and puts the originals back on closing."""
-
-    def __init__(self, engine) -> None:
-        import torch
-
-        self.engine = engine
-        cuda = engine.device.type == "cuda"
-        # On a GPU the kernels run asynchronously: synchronize so each part owns its time.
-        self._sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
-        self._acc: dict[str, float] | None = None  # the current step's seconds per wrapped call
-        self._batch: dict[str, float] = {}
-        self._wrapped: list[tuple[object, str]] = []
-
-    def __enter__(self) -> StepTimer:
-        runner = self.engine.executor.driver_worker.model_runner
-        self._wrap(self.engine.scheduler, "schedule", "schedule", self._record_batch)
-        self._wrap(runner, "execute_model", "execute_model")
-        self._wrap(runner, "prepare_inputs", "prepare_inputs")  # host arrays
-        self._wrap(runner, "execute", "execute")  # their tensors, the forward and the logits
-        self._wrap(runner.model, "forward", "forward")  # nn.Module.__call__ finds it
-        self._wrap(runner.model, "compute_logits", "compute_logits")
-        self._wrap(runner, "sample", "sample")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        # The wrappers are instance attributes shadowing the class's methods: deleting them
-        # leaves the instances as they were.
-        for obj, name in reversed(self._wrapped):
-            delattr(obj, name)
-        self._wrapped.clear()
-
-    def _wrap(self, obj, name: str, key: str, after=None) -> None:
-        if name in vars(obj):
-            raise RuntimeError(f"{type(obj).__name__}.{name} is already wrapped")
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            self._sync()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self._sync()
-            if self._acc is not None:
-                self._acc[key] += time.perf_counter() - t0
-            if after is not None:
-                after(out)
-            return out
-
-        setattr(obj, name, timed)
-        self._wrapped.append((obj, name))
-
-    def _record_batch(self, so) -> None:
-        """Tokens, sequences, prefills and the context the step's tokens attend to, read from
-        the SchedulerOutput before the step advances the requests."""
-        tokens = context = prefills = 0
-        for r in so.scheduled_requests:
-            n = so.num_scheduled_tokens[r.seq_id]
-            tokens += n
-            # Its n tokens attend to computed+1 ... computed+n tokens (themselves included).
-            context += n * r.num_computed_tokens + n * (n + 1) / 2
-            prefills += r.num_computed_tokens < r.num_prompt_tokens
-        self._batch = {"num_seqs": len(so.scheduled_requests), "num_tokens": tokens,
-                       "num_prefill_seqs": prefills, "context_token_sum": context}  # fmt: skip
-
-    def step(self) -> tuple[list, dict[str, float]]:
-        """One engine.step(): its outputs, and a record of seconds per part (summing to step_s)
-        plus the batch's make-up."""
-        self._acc = defaultdict(float)
-        self._batch = {}
-        t0 = time.perf_counter()
-        outputs = self.engine.step()
-        self._sync()
-        step_s = time.perf_counter() - t0
-        a, self._acc = self._acc, None
-        # execute's own work besides the model: block moves, the step's tensors and attention
-        # metadata, gathering the rows to sample: input preparation on the device side.
-        in_execute = a["execute"] - a["forward"] - a["compute_logits"]
-        record = {
-            "step_s": step_s,
-            "schedule": a["schedule"],
-            "prepare_inputs": a["prepare_inputs"] + in_execute,
-            "forward": a["forward"],
-            "logits_and_sampling": a["compute_logits"] + a["sample"],
-            "compute_logits": a["compute_logits"],
-            "sample": a["sample"],
-            # The rest of LLMEngine.step: update_from_output, detokenizing, building outputs.
-            "update_and_outputs": step_s - a["schedule"] - a["execute_model"],
-            # execute_model's own work around its three calls (a call's overhead, in practice).
-            "other_in_execute_model": a["execute_model"]
-            - a["prepare_inputs"]
-            - a["execute"]
-            - a["sample"],
-            **self._batch,
-        }
-        return outputs, record
-
-
-def breakdown(records: list[dict[str, float]]) -> dict[str, Any]:
-    """Mean ms per step of each part and its share of the step, over `records`."""
-    total = sum(r["step_s"] for r in records)
-    n = len(records)
-    parts = {}
-    for key in (*PARTS, "compute_logits", "sample"):
-        s = sum(r[key] for r in records)
-        parts[key] = {"ms_per_step": 1e3 * s / n, "share": s / total if total else 0.0}
-    # The model's own work: the decoder's forward and the LM head's logits.
-    model_s = sum(r["forward"] + r["compute_logits"] for r in records)
-    return {
-        "num_steps": n,
-        "step_ms": 1e3 * total / n,
-        "parts": parts,
-        "outside_forward_share": 1 - model_s / total if total else 0.0,
-    }
-
-
-def breakdown_table(b: dict[str, Any]) -> str:
-    rows = [("part", "ms/step", "share")]
-    for key in PARTS:
-        p = b["parts"][key]
-        rows.append((key, f"{p['ms_per_step']:.2f}", f"{p['share']:.1%}"))
-        if key == "logits_and_sampling":
-            for sub in ("compute_logits", "sample"):
-                q = b["parts"][sub]
-                rows.append((f"  of which {sub}", f"{q['ms_per_step']:.2f}", f"{q['share']:.1%}"))
-    rows.append(("step", f"{b['step_ms']:.2f}", "100.0%"))
-    return "\n".join(table_lines(rows))
 
 
 def target_line(name: str, value: str, target: str, met: bool) -> str:
@@ -355,23 +218,6 @@ def run_schedule(engine, timer, ns, rng, vocab) -> dict[str, Any]:
     }
 
 
-def weight_streaming(engine, decode: dict[str, Any]) -> dict[str, Any]:
-    """The bytes one decode step reads, the weights as each layer's method reads them at this
-    many rows (a GGUF's codes or the float copy, --quantization auto) and the K/V of every
-    request's context, against the time this machine takes to read that many bytes once."""
-    model = engine.executor.driver_worker.model_runner.model
-    rows, arch = decode["num_running"], model.config
-    weights = sum(
-        m.quant_method.bytes_read(m, rows) for m in model.modules() if hasattr(m, "quant_method")
-    )
-    kv_per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
-    kv = int(rows * decode["mean_context_len"] * kv_per_token * engine.dtype.itemsize)
-    read = roofline.measure_read_bandwidth(weights + kv)
-    streaming_ms = (weights + kv) / (read["gb_per_s"] * 1e9) * 1e3
-    return {"weight_bytes": weights, "kv_bytes": kv, "read": read, "streaming_ms": streaming_ms,
-            "ratio": decode["step_ms"] / streaming_ms}  # fmt: skip
-
-
 def _kv_blocks_needed(ns, block_size: int) -> int:
     extra = 4 + ns.num_steps + (1 if ns.profile else 0)  # steps beyond the prompt, with margin
     per = -(-(ns.prompt_len + extra) // block_size)
@@ -430,7 +276,9 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         decode = run_decode(engine, timer, ns, rng, vocab)
         prefill = run_prefill(engine, timer, ns, rng, vocab)
         schedule = run_schedule(engine, timer, ns, rng, vocab)
-    streaming = weight_streaming(engine, decode) if engine.device.type == "cpu" else None
+    cpu = engine.device.type == "cpu"
+    streaming = step_ceilings.weight_streaming(engine, decode) if cpu else None
+    gemms = step_ceilings.gemms_alone(engine, decode) if cpu else None
     peak = roofline.measure_gemm_peak(engine.dtype, device=engine.device)
     peak_flops = peak["best_gflops"] * 1e9
     config = engine.model_config
@@ -452,6 +300,9 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         **({"single_stream_vs_streaming": (streaming["ratio"], TARGET_STREAMING_RATIO,
                                           streaming["ratio"] <= TARGET_STREAMING_RATIO)}
            if streaming and ns.num_running == 1 else {}),
+        **({"step_vs_gemms_alone": (gemms["ratio"], TARGET_GEMM_RATIO,
+                                   gemms["ratio"] <= TARGET_GEMM_RATIO)}
+           if gemms and ns.num_running == GEMM_TARGET_RUNNING else {}),
         "prefill_mfu": (prefill["mfu"], TARGET_MFU, prefill["mfu"] >= TARGET_MFU),
     }  # fmt: skip
 
@@ -484,6 +335,13 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
                               targets["single_stream_vs_streaming"][2]))  # fmt: skip
         else:
             print(f"weight streaming: {line}")
+    if gemms:
+        line = step_ceilings.gemms_line(gemms, decode["step_ms"])
+        if ns.num_running == GEMM_TARGET_RUNNING:
+            print(target_line("step against its GEMMs alone", line, f"<= {TARGET_GEMM_RATIO}x",
+                              targets["step_vs_gemms_alone"][2]))  # fmt: skip
+        else:
+            print(f"GEMMs alone: {line}")
     print()
     print(
         f"prefill: one {ns.prefill_len}-token prompt, max_tokens=1, median of 3 "
@@ -521,6 +379,7 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             "engine_args": dataclasses.asdict(engine_args),
             "decode": decode,
             "weight_streaming": streaming,
+            "gemms_alone": gemms,
             "prefill": prefill,
             "schedule": schedule,
             "gemm_peak": peak,

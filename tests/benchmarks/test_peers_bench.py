@@ -34,9 +34,17 @@ def test_cli_defaults_and_flags():
         64,
         None,
     )
-    ns = _parse(["--peers", "hf,pagedllm", "--concurrency", "2,4"])
+    assert (ns.scenarios, ns.long_prompt_len, ns.prefix_len, ns.prefill_lens) == (
+        ["long-prompts", "shared-prefix", "prefill"],
+        1536,
+        400,
+        [512, 2048],
+    )
+    ns = _parse(["--peers", "hf,pagedllm", "--concurrency", "2,4", "--scenarios", "prefill"])
     assert ns.peers == ["pagedllm", "hf"] and ns.concurrency == [2, 4]
-    for bad in (["--peers", "vllm"], ["--concurrency", "0"], ["--concurrency", "a"]):
+    assert ns.scenarios == ["prefill"] and _parse(["--scenarios", "none"]).scenarios == []
+    for bad in (["--peers", "vllm"], ["--concurrency", "0"], ["--concurrency", "a"],
+                ["--scenarios", "long"], ["--scenarios", ""]):  # fmt: skip
         with pytest.raises(SystemExit):
             _parse(bad)
 
@@ -95,12 +103,17 @@ def _rate(tokens_per_s, match=True):
 def test_report_has_every_system_and_the_ratios():
     results = {
         "concurrency": [1, 8],
+        "scenario_labels": {"prefill-512": "prefill 512 tokens (prompt tokens/s)"},
         "systems": {
             "pagedllm": {"by_concurrency": {"1": _rate(20.0), "8": _rate(80.0)},
                          "decode": {"decode_tokens_per_s": 22.0, "tokens_match": True},
+                         "scenarios": {"prefill-512": {"tokens_per_s": 900.0,
+                                                       "tokens_match": True}},
                          "dtype": "float32"},
             "llama.cpp": {"by_concurrency": {"1": _rate(40.0), "8": _rate(160.0, False)},
                           "decode": {"decode_tokens_per_s": 44.0, "tokens_match": True},
+                          "scenarios": {"prefill-512": {"tokens_per_s": 300.0,
+                                                        "tokens_match": False}},
                           "dtype": "Q4_1 (ggml kernels)"},
             "hf": {"by_concurrency": {"1": _rate(10.0), "8": _rate(40.0)},
                    "decode": {"decode_tokens_per_s": 11.0, "tokens_match": True},
@@ -108,13 +121,19 @@ def test_report_has_every_system_and_the_ratios():
         },
     }  # fmt: skip
     peers.add_ratios(results)
-    assert results["pagedllm_over_peer"]["llama.cpp"] == {"1": 0.5, "8": 0.5, "decode": 0.5}
+    assert results["pagedllm_over_peer"]["llama.cpp"] == {
+        "1": 0.5, "8": 0.5, "decode": 0.5, "prefill-512": 3.0
+    }  # fmt: skip
     assert results["pagedllm_over_peer"]["hf"] == {"1": 2.0, "8": 2.0, "decode": 2.0}
     table = peers.format_table(results)
     assert "pagedllm / llama.cpp" in table and "pagedllm / HF static" in table
     assert "0.50x" in table and "2.00x" in table and "single-stream decode" in table
     assert "llama.cpp ran: Q4_1" in table
-    assert "WARNING: generated tokens != requested for llama.cpp at 8" in table
+    warning = "WARNING: generated tokens != requested for llama.cpp at 8, llama.cpp at prefill-512"
+    assert warning in table
+    # The scenario's row: both servers' figures and the ratio; HF ran none.
+    row = next(ln for ln in table.splitlines() if ln.startswith("prefill 512 tokens"))
+    assert row.split()[-5:] == ["900.0", "300.0", "-", "3.00x", "-"] and "no scenarios" in table
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +146,12 @@ def _run(model, out, *extra):
     return run_peers(
         ["--model", model, "--kv-cache-memory", "16MiB", "--num-prompts", "3",
          "--scale", "0.05", "--concurrency", "1,2", "--decode-output-len", "4",
+         "--long-prompt-len", "24", "--prefix-len", "16", "--prefill-lens", "20,40",
          "--output-json", str(out), *extra]
     )  # fmt: skip
+
+
+SCENARIO_KEYS = {"long-prompts", "shared-prefix", "prefill-20", "prefill-40"}
 
 
 def _check_report(out, systems):
@@ -142,6 +165,17 @@ def _check_report(out, systems):
             assert r["tokens_match"] and r["expected_output_tokens"] == expected, (name, r)
             assert r["output_tokens_per_s"] > 0
         assert system["decode"]["tokens_match"] and system["decode"]["decode_tokens_per_s"] > 0
+        # The servers run every scenario, checked token for token; HF none.
+        scenarios = system.get("scenarios", {})
+        assert set(scenarios) == (set() if name == "hf" else SCENARIO_KEYS), name
+        for r in scenarios.values():
+            assert r["tokens_match"] and r["tokens_per_s"] > 0, (name, r)
+    assert set(results["scenario_labels"]) == SCENARIO_KEYS
+    plan = results["workload"]["scenarios"]
+    assert plan["long-prompts"]["prompt_lens"] == [24] * 8
+    assert plan["prefill-40"] == {"num_requests": 3, "concurrency": 1, "prompt_lens": [40] * 3,
+                                  "output_lens": [1] * 3}  # fmt: skip
+    assert all(n >= 17 for n in plan["shared-prefix"]["prompt_lens"])
     return results
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import common, step
+from benchmarks import common, step, step_timer
 from pagedllm.bench import roofline
 from pagedllm.config import EngineArgs
 
@@ -83,11 +83,11 @@ def test_breakdown_shares_and_outside_forward():
     record = dict(step_s=0.010, schedule=0.001, prepare_inputs=0.001, forward=0.006,
                   logits_and_sampling=0.0015, compute_logits=0.001, sample=0.0005,
                   update_and_outputs=0.0004, other_in_execute_model=0.0001)  # fmt: skip
-    b = step.breakdown([record, record])
+    b = step_timer.breakdown([record, record])
     assert b["step_ms"] == pytest.approx(10.0)
-    assert sum(b["parts"][k]["share"] for k in step.PARTS) == pytest.approx(1.0)
+    assert sum(b["parts"][k]["share"] for k in step_timer.PARTS) == pytest.approx(1.0)
     assert b["outside_forward_share"] == pytest.approx(0.3)  # forward + logits = 70%
-    assert "of which compute_logits" in step.breakdown_table(b)
+    assert "of which compute_logits" in step_timer.breakdown_table(b)
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +119,11 @@ def test_whole_benchmark_on_a_tiny_model(tiny_model, tmp_path, capsys):
     for record in decode["steps"]:
         # Pure decode steps of all 4 requests, and the parts sum to the step.
         assert (record["num_seqs"], record["num_tokens"], record["num_prefill_seqs"]) == (4, 4, 0)
-        parts = sum(record[k] for k in step.PARTS)
+        parts = sum(record[k] for k in step_timer.PARTS)
         assert parts == pytest.approx(record["step_s"], rel=1e-6, abs=1e-9)
         assert all(record[k] >= 0 for k in ("schedule", "prepare_inputs", "forward", "sample"))
     for phase in (decode, r["prefill"]):
-        shares = [phase["parts"][k]["share"] for k in step.PARTS]
+        shares = [phase["parts"][k]["share"] for k in step_timer.PARTS]
         assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1)
         assert 0 <= phase["outside_forward_share"] <= 1
         assert 0 < phase["mfu"] <= 1
@@ -152,6 +152,14 @@ def test_whole_benchmark_on_a_tiny_model(tiny_model, tmp_path, capsys):
     assert streaming["read"]["bytes"] >= streaming["weight_bytes"] + streaming["kv_bytes"]
     assert streaming["ratio"] == pytest.approx(decode["step_ms"] / streaming["streaming_ms"])
     assert "weight streaming: " in printed
+    # Every projection alone at the step's 4 rows, by kind; the step against that.
+    gemms = r["gemms_alone"]
+    assert (gemms["rows"], gemms["num_projections"]) == (4, len(linears))
+    assert set(gemms["by_kind_ms"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                        "lm_head"}  # fmt: skip
+    assert gemms["passes"] >= 3 and gemms["gemm_ms"] > 0
+    assert gemms["ratio"] == pytest.approx(decode["step_ms"] / gemms["gemm_ms"])
+    assert f"GEMMs alone: {len(linears)} projections at 4 rows alone" in printed
 
 
 def test_rejects_bad_sizes(tiny_model):

@@ -9,8 +9,6 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.cpu_info import has_native_bf16
 from pagedllm.model_loader.loader import load_model_config
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def auto_dtype(device: torch.device) -> torch.dtype:
     """What --dtype auto means: bfloat16 on CUDA and on CPUs with bf16 instructions (on this

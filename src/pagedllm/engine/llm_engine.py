@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from pagedllm.attention.kv_quant import FLOAT_DTYPES
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_interface import KVCacheInterface
@@ -23,7 +24,6 @@ from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.worker import TORCH_DTYPES
 
 logger = logging.getLogger("pagedllm")
 
@@ -147,7 +147,7 @@ class LLMEngine:
 
     @property
     def dtype(self):
-        return TORCH_DTYPES[self.config.model.dtype]
+        return FLOAT_DTYPES[self.config.model.dtype]
 
     def check_workers(self) -> None:
         """Raise if a tensor-parallel worker has exited (the engine cannot step without it), or

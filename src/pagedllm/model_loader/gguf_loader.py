@@ -30,6 +30,7 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.layers.rotary import check_rope_scaling
 from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
 from pagedllm.model_loader.gguf_codes import code_kind, codes_from_gguf
+from pagedllm.model_loader.gguf_file import GGUFFile
 from pagedllm.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pagedllm.model_loader.loaded_model import LazyCodes, LazyWeights, LoadedModel
 from pagedllm.model_loader.tokenizer import Tokenizer
@@ -91,36 +92,28 @@ def _naming(path) -> object:
         raise ValueError(f"{path}: {why}") from e
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """gguf.GGUFReader, whose errors on a file that is not GGUF, truncated or corrupt become
-    one ValueError naming the file. The last file opened stays parsed (until it changes on
-    disk): an engine reads the config, the tokenizer and the weights of one file, and parsing
-    the metadata of a 49k-token vocabulary takes seconds."""
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The file parsed (gguf_file.py); a file that is not GGUF, truncated or corrupt is one
+    ValueError naming the file. The last file opened stays parsed (until it changes on disk):
+    an engine reads the config, the tokenizer and the weights of one file."""
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         raise ValueError(f"{path} is empty: not a GGUF file")
     try:
         stat = os.stat(path)
     except OSError:
-        return gguf.GGUFReader(path)  # its own error (no such file, ...)
+        return GGUFFile(path)  # its own error (no such file, ...)
     return _read_gguf(os.fspath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=1)
-def _read_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+def _read_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
     """(`size` and `mtime_ns` key the cache: a file rewritten in place is read again.)"""
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except _CORRUPT as e:
         raise ValueError(
             f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
         ) from e
-
-
-def read_metadata(reader: gguf.GGUFReader) -> dict:
-    """All key/value fields as Python values (strings, numbers, lists)."""
-    return {
-        key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")
-    }
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -367,7 +360,7 @@ def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor
     """One tensor, dequantized to float32 and in HF's layout."""
     try:
         # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
-        array = _dequantize(t.data.view(np.ndarray), t.tensor_type)
+        array = _dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
             f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
@@ -392,14 +385,14 @@ def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor
 
 def _read_codes(t, n_head: int | None):
     """One tensor's blocks as codes, its rows unpermuted where its floats are (n_head)."""
-    raw = t.data.view(np.ndarray)
+    raw = t.data
     if n_head is not None:  # a row permutation: it moves raw rows of blocks just as well
         raw = unpermute_from_gguf(raw, n_head)
     return codes_from_gguf(raw, t.tensor_type)
 
 
-def _load_gguf(path, reader: gguf.GGUFReader, keep_codes: bool, lazy: bool) -> LoadedModel:
-    meta = read_metadata(reader)
+def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedModel:
+    meta = reader.metadata
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
     arch = meta["general.architecture"]
@@ -434,11 +427,11 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     """Only the tokenizer of a GGUF file (no tensor is dequantized)."""
     reader = open_gguf(path)
     with _naming(path):
-        return _tokenizer(read_metadata(reader))
+        return _tokenizer(reader.metadata)
 
 
 def load_gguf_config(path: str | os.PathLike) -> ModelArchConfig:
     """Only the architecture (metadata and tensor shapes; no tensor is read)."""
     reader = open_gguf(path)
     with _naming(path):
-        return _config_from_metadata(read_metadata(reader), {t.name: t for t in reader.tensors})
+        return _config_from_metadata(reader.metadata, {t.name: t for t in reader.tensors})

@@ -49,7 +49,11 @@ class KVCache:
         row = kv_quant.row_elements(spec.head_dim, dtype)
         shape = (spec.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads, row)
         pool_dtype = torch.uint8 if kv_quant.is_quantized(dtype) else dtype
-        self.pool = torch.zeros(shape, dtype=pool_dtype, device=device)
+        # On CPU, uninitialized: no kernel reads a slot before it is written (each reads keys
+        # below its request's seq_len only), and zeroing gigabytes took seconds of start-up.
+        # Elsewhere zeros, as the GPU kernels were tested.
+        alloc = torch.empty if device.type == "cpu" else torch.zeros
+        self.pool = alloc(shape, dtype=pool_dtype, device=device)
         slots = spec.layer_slots()
         typed = self.pool.view(dtype)
         self.layers = [(typed[slots[i][1], 0], typed[slots[i][1], 1]) for i in range(num_layers)]

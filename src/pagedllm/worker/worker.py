@@ -22,8 +22,6 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def same_pool(a: tuple[CacheConfig, SchedulerConfig], b: tuple[CacheConfig, SchedulerConfig]):
     """Whether two (cache, scheduler) configs size the same KV pool (the block manager's
@@ -41,7 +39,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = torch.device(config.device.device)
-        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.dtype = kv_quant.FLOAT_DTYPES[config.model.dtype]
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.weight_bytes = 0
