@@ -47,7 +47,7 @@ def assert_same(got, expected):
 
 
 def test_greedy_and_parallel_sampling_equal_the_torch_backend(tiny):
-    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True,
                              logprobs=0)  # fmt: skip
     prompts = PROMPTS + [SHARED + [3], SHARED + [9, 9]]
