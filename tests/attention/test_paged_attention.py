@@ -294,6 +294,36 @@ def test_cpu_kernel_matches_the_reference_on_random_batches(dtype, seed):
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=0, msg=f"{reqs}")
 
 
+# Contexts around the kernel's 512-token partitions: just under, at and past a boundary, several
+# boundaries, and query tiles whose rows straddle one (a chunk from 1020 to 1037).
+LONG_REQS = [(510, 1), (511, 1), (512, 1), (1030, 1), (2100, 1), (1020, 17), (500, 40)]
+
+
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (700, None), (None, 30.0)])
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_cpu_kernel_splits_long_contexts_exactly(window, cap, block_size):
+    """Long contexts are split into partitions whose softmax states are merged: the reference's
+    result, and each request's rows bit for bit the same alone as in the batch."""
+    b = build_batch(LONG_REQS, block_size, 9, 3, 64, seed=11)
+    meta = b["meta"]
+    write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
+    args = (b["query"], b["k_cache"], b["v_cache"], meta, 64**-0.5)
+    kwargs = dict(sliding_window=window, logits_soft_cap=cap)
+    expected = paged_attention_ref(*args, **kwargs)
+    out = paged_attention_cpu(*args, **kwargs, min_sdpa_query_len=0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    qsl = meta.query_start_loc_cpu
+    for i in range(len(LONG_REQS)):
+        rows = slice(qsl[i], qsl[i + 1])
+        alone = AttentionMetadata.build(
+            block_size, meta.slot_mapping[rows].numpy(), meta.block_tables[i : i + 1].numpy(),
+            [rows.stop - rows.start], [meta.seq_lens_cpu[i]],
+        )  # fmt: skip
+        got = paged_attention_cpu(b["query"][rows], b["k_cache"], b["v_cache"], alone,
+                                  64**-0.5, **kwargs, min_sdpa_query_len=0)  # fmt: skip
+        assert torch.equal(got, out[rows]), LONG_REQS[i]
+
+
 def test_cpu_backend_falls_back_to_sdpa_for_head_dims_the_kernel_cannot_vectorise():
     reqs = [(5, 1), (0, 3), (9, 2)]
     b = build_batch(reqs, 4, 4, 2, 40, seed=1)  # 40: not a multiple of 16 (AVX-512) lanes

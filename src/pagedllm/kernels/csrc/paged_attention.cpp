@@ -1,12 +1,15 @@
 // Paged attention for CPU: reads K/V through the block table in place, one pass over each block,
 // with an online softmax; no contiguous copy of the context is ever made.
 //
-// One work item is (request, KV head, tile of up to kQueryTile query rows). The tile's rows and
-// the query heads sharing the KV head (GQA) are its "slots"; each K row is loaded (and converted
-// to float) once for all slots, and so is each V row. Decode (one row per request), chunked
-// prefill and prefill with cached context are the same loop: row r of a request with q_len rows
-// and seq_len context tokens sits at position seq_len - q_len + r and sees keys up to it (and,
-// with a sliding window, above position - window).
+// One work item is (request, KV head, tile of up to kQueryTile query rows, partition of the
+// context). The tile's rows and the query heads sharing the KV head (GQA) are its "slots"; each K
+// row is loaded (and converted to float) once for all slots, and so is each V row. A context that
+// crosses a multiple of kPartition tokens is split there, each part its own item, and the parts'
+// softmax states are merged in order afterwards: a single long request keeps every thread busy,
+// and where a request's context is split depends on its own positions only, never on the batch.
+// Decode (one row per request), chunked prefill and prefill with cached context are the same
+// loop: row r of a request with q_len rows and seq_len context tokens sits at position
+// seq_len - q_len + r and sees keys up to it (and, with a sliding window, above position - window).
 //
 // The cache may hold another dtype than the query, or codes with a scale per row
 // (kv_format.h): rows are widened to float as they are loaded, so the loop is the same.
@@ -33,6 +36,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kPartition = 512;  // tokens of context per work item at most
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim up to 16 vectors (256 with AVX-512)
 
 // Vec::size() elements of a float dtype, as floats.
@@ -151,6 +155,8 @@ inline AttendFn attend_for(int64_t num_vecs) {
 
 struct WorkItem {
   int64_t req, kv_head, row_begin, row_end;  // rows: flattened query indices
+  int64_t part_begin, part_end;  // the context positions this item attends to (a partition)
+  int64_t partial;  // -1: the whole context, written to out; else its offset in the partials
 };
 
 template <typename scalar_t, typename cache_t>
@@ -184,16 +190,36 @@ void paged_attention_kernel(
   const int64_t row_bytes = k_cache.size(3) * static_cast<int64_t>(sizeof(cache_t));
 
   std::vector<WorkItem> items;
+  std::vector<std::pair<int64_t, int64_t>> splits;  // (first item, parts) of each split tile
+  // A partial: each of the tile's slots' acc [head_dim], then their run_max, then run_sum.
+  int64_t partials_size = 0;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
     // Long prefill chunks are left to the caller (see cpu.py).
     if (skip_prefill_from > 0 && q_len >= skip_prefill_from) continue;
+    const int64_t first_pos = lens[i] - q_len - qsl[i];  // + flattened row index
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t r = qsl[i]; r < qsl[i + 1]; r += kQueryTile) {
-        items.push_back({i, h, r, std::min<int64_t>(r + kQueryTile, qsl[i + 1])});
+        const int64_t r_end = std::min<int64_t>(r + kQueryTile, qsl[i + 1]);
+        // The keys the tile can see: [key_begin, key_end).
+        const int64_t key_end = first_pos + r_end;
+        const int64_t key_begin =
+            sliding_window > 0 ? std::max<int64_t>(0, first_pos + r - sliding_window + 1) : 0;
+        const int64_t p_first = key_begin / kPartition, p_last = (key_end - 1) / kPartition;
+        if (p_first == p_last) {
+          items.push_back({i, h, r, r_end, key_begin, key_end, -1});
+          continue;
+        }
+        splits.push_back({static_cast<int64_t>(items.size()), p_last - p_first + 1});
+        for (int64_t p = p_first; p <= p_last; ++p) {
+          items.push_back({i, h, r, r_end, std::max(key_begin, p * kPartition),
+                           std::min(key_end, (p + 1) * kPartition), partials_size});
+          partials_size += (r_end - r) * group * (head_dim + 2);
+        }
       }
     }
   }
+  std::vector<float> partials(partials_size);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t max_slots = kQueryTile * group;  // (row, head) pairs of a tile
@@ -220,11 +246,9 @@ void paged_attention_kernel(
       std::fill(run_max.begin(), run_max.begin() + slots, neg_inf);
       std::fill(run_sum.begin(), run_sum.begin() + slots, 0.f);
 
-      // Keys the tile can see: [key_begin, key_end).
+      // Keys of this item's partition: [key_begin, key_end); each row's own limits below.
       const int64_t pos_begin = first_pos + it.row_begin;
-      const int64_t key_end = first_pos + it.row_end;
-      const int64_t key_begin =
-          sliding_window > 0 ? std::max<int64_t>(0, pos_begin - sliding_window + 1) : 0;
+      const int64_t key_begin = it.part_begin, key_end = it.part_end;
       const int32_t* table = tables + it.req * table_width;
 
       for (int64_t blk = key_begin / block_size; blk * block_size < key_end; ++blk) {
@@ -265,12 +289,52 @@ void paged_attention_kernel(
           }
         }
       }
+      if (it.partial >= 0) {  // this part's state, merged with the other parts' below
+        float* part = &partials[it.partial];
+        std::copy(acc.begin(), acc.begin() + slots * head_dim, part);
+        std::copy(run_max.begin(), run_max.begin() + slots, part + slots * head_dim);
+        std::copy(run_sum.begin(), run_sum.begin() + slots, part + slots * (head_dim + 1));
+        continue;
+      }
       for (int64_t s = 0; s < slots; ++s) {
         const int64_t r = s / group, g = s % group;
         const float inv = 1.f / run_sum[s];
         scalar_t* dst = o_ptr + (it.row_begin + r) * o_row + (it.kv_head * group + g) * o_head;
         const float* a = &acc[s * head_dim];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+      }
+    }
+  });
+
+  // Each split tile: its parts' states merged in partition order (a part a row cannot see has
+  // run_sum 0 and adds nothing), then normalised into out.
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [first, parts] = splits[t];
+      const WorkItem& it = items[first];
+      const int64_t slots = (it.row_end - it.row_begin) * group;
+      for (int64_t s = 0; s < slots; ++s) {
+        float m = neg_inf;
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* part = &partials[items[first + p].partial];
+          if (part[slots * (head_dim + 1) + s] > 0.f) m = std::max(m, part[slots * head_dim + s]);
+        }
+        float sum = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* part = &partials[items[first + p].partial];
+          const float part_sum = part[slots * (head_dim + 1) + s];
+          if (!(part_sum > 0.f)) continue;
+          const float w = std::exp(part[slots * head_dim + s] - m);
+          sum += part_sum * w;
+          const float* a = part + s * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) merged[d] += a[d] * w;
+        }
+        const int64_t r = s / group, g = s % group;
+        const float inv = 1.f / sum;
+        scalar_t* dst = o_ptr + (it.row_begin + r) * o_row + (it.kv_head * group + g) * o_head;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv);
       }
     }
   });
