@@ -15,7 +15,6 @@ cache of either server can skip work except the shared prefix's.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import numpy as np
@@ -40,16 +39,7 @@ class Scenario:
 
 
 def _scenario_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if names == ["none"]:
-        return []
-    unknown = [n for n in names if n not in SCENARIOS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown scenario(s) {', '.join(unknown) or text!r}; known: "
-            f"{', '.join(SCENARIOS)}, or none"
-        )
-    return [s for s in SCENARIOS if s in names]
+    return [] if text.strip() == "none" else common.choice_list(SCENARIOS, "scenarios")(text)
 
 
 def add_cli_args(group) -> None:

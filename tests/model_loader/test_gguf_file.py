@@ -91,7 +91,8 @@ def test_the_default_model():
 
 
 def test_big_endian_and_unknown_versions_are_refused(tmp_path):
-    for version, match in ((b"\x00\x00\x00\x03", "big-endian"), (b"\x01\x00\x00\x00", "1")):
+    cases = ((b"\x00\x00\x00\x03", "big-endian"), (b"\x01\x00\x00\x00", "version 1 is not"))
+    for version, match in cases:
         path = tmp_path / "v.gguf"
         path.write_bytes(b"GGUF" + version + bytes(16))
         with pytest.raises(ValueError, match=match):

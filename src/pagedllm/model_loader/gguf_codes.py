@@ -49,7 +49,7 @@ def code_kind(ggml_type) -> type | None:
 
 
 def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
-    """Raw rows of a GGUF tensor ([N, bytes per row], as GGUFReader gives them, q/k rows already
+    """Raw rows of a GGUF tensor ([N, bytes per row], as gguf_file.py gives them, q/k rows already
     unpermuted) -> codes, or None when the type is not one of CODE_TYPES."""
     if ggml_type not in CODE_TYPES:
         return None

@@ -76,10 +76,12 @@ class _Cursor:
     def u64(self) -> int:
         return self.unpack("<Q")[0]
 
-    def string(self) -> str:
-        n = self.u64()
+    def raw(self, n: int) -> bytes:
         start = self.take(n)
-        return bytes(self.buf[start : start + n]).decode("utf-8")
+        return bytes(self.buf[start : start + n])
+
+    def string(self) -> str:
+        return self.raw(self.u64()).decode("utf-8")
 
     def value(self, kind: GGUFValueType):
         if kind == GGUFValueType.STRING:
@@ -103,17 +105,15 @@ class GGUFFile:
     the file's order; `data_offset`: where the tensor data starts."""
 
     def __init__(self, path: str | os.PathLike):
-        self.data = np.memmap(path, mode="r")
-        # A memoryview: slicing the memmap itself costs a numpy object per string.
-        cur = _Cursor(memoryview(self.data))
-        if bytes(cur.buf[cur.take(4) : 4]) != GGUF_MAGIC:
+        # A memoryview of the map: slicing the memmap itself costs a numpy object per string.
+        cur = _Cursor(memoryview(np.memmap(path, mode="r")))
+        if cur.raw(4) != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
         version = cur.u32()
         if version & 0xFFFF == 0:
             raise ValueError("a big-endian GGUF file: not supported")
         if version not in SUPPORTED_VERSIONS:
             raise ValueError(f"GGUF version {version} is not supported (only 2 and 3)")
-        self.version = version
         num_tensors, num_keys = cur.u64(), cur.u64()
         self.metadata: dict = {}
         for _ in range(num_keys):
@@ -133,11 +133,12 @@ class GGUFFile:
             raise ValueError("a tensor name appears twice")
 
     def _tensor(self, buf, name, dims, ggml_type, offset) -> GGUFTensor:
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n_elements = int(np.prod(dims, dtype=np.int64))
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         n_bytes = n_elements * type_size // block_size
         start = self.data_offset + offset
-        _Cursor(buf, start).take(n_bytes)  # the whole tensor lies within the file
+        if start + n_bytes > len(buf):
+            raise ValueError(f"tensor {name} ends at byte {start + n_bytes}, past the file's end")
         shape = tuple(reversed(dims))
         if ggml_type in _ELEMENTS:
             dtype = np.dtype(_ELEMENTS[ggml_type]).newbyteorder("<")

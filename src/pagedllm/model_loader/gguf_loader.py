@@ -359,7 +359,6 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
 def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
     """One tensor, dequantized to float32 and in HF's layout."""
     try:
-        # A plain ndarray view: numpy.memmap slicing overhead doubles dequantization time.
         array = _dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
