@@ -11,9 +11,13 @@
   kernel, then the tied LM head (49152 x 576) as int8 codes and as prepacked bf16 (--quantized);
 - dual: the same 120 projections as int4 codes and as float weights (float32; bfloat16
   prepacked where oneDNN packs it) at 1-32 rows, and the row count up to which the codes win:
-  where `--quantization auto` switches (layers/quantization/dual.py) (--dual).
+  where `--quantization auto` switches (layers/quantization/dual.py) (--dual);
+- fixed order: the same 120 projections in float32 at 1-256 rows through F.linear (MKL) and
+  through the kernels' fixed-order products (docs/determinism.md): dense_linear on the float
+  weights and int4_linear on the codes (--fixed-order).
 
     python benchmarks/cpu_microbench.py [--attention] [--linear] [--quantized] [--dual]
+                                        [--fixed-order]
 """
 
 import functools
@@ -175,8 +179,36 @@ def dual() -> None:
         print(f"{name}: the codes are faster up to {last_win} rows")
 
 
+def fixed_order() -> None:
+    from pagedllm.layers.quantization import Int4Weight
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    torch.manual_seed(0)
+    codes = [Int4Weight.from_float(torch.randn(n, k)) for _ in range(30) for n, k in shapes]
+    int4 = [layer(c, "int4", torch.float32) for c in codes]
+    weights = [c.dequantize() for c in codes]
+    ops = kernels.cpu_ops()
+
+    def ms(fn) -> float:
+        return min(per_call_us(fn, 3) for _ in range(3)) / 1e3
+
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    for rows in (1, 2, 16, 64, 256):
+        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        t_mkl = ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights])
+        t_dense = ms(lambda xs=xs: [ops.dense_linear(xs[w.shape[1]], w, None) for w in weights])
+        t_codes = ms(lambda xs=xs: [codes_times_rows(w, xs[w.input_size]) for w in int4])
+        gflops = rows * flops_per_row / 1e6
+        print(f"float32, 120 projections, {rows} rows: F.linear {t_mkl:.2f} ms "
+              f"({gflops / t_mkl:.1f} GFLOP/s), fixed-order dense {t_dense:.2f} ms "
+              f"({t_mkl / t_dense:.2f}x F.linear), fixed-order int4 codes {t_codes:.2f} ms "
+              f"({t_mkl / t_codes:.2f}x)")  # fmt: skip
+
+
 if __name__ == "__main__":
     chosen = set(sys.argv[1:]) or {"--attention", "--linear", "--quantized", "--dual"}
+    if "--fixed-order" in chosen:
+        fixed_order()
     if "--dual" in chosen:
         dual()
     if "--quantized" in chosen:

@@ -20,12 +20,13 @@ from pagedllm.attention import (
     paged_attention_sdpa,
     write_kv_cache,
 )
-from pagedllm.attention.cpu import paged_attention_cpu, write_kv_cache_cpu
+from pagedllm.attention.cpu import MIN_SDPA_QUERY_LEN, paged_attention_cpu, write_kv_cache_cpu
 
 BACKENDS = {
     "torch": paged_attention_ref,
     "sdpa": paged_attention_sdpa,
-    # The C++ kernel alone, and as the backend runs it (long prefill chunks through SDPA).
+    # The C++ kernel alone, and as the backend runs it (bfloat16's long prefill chunks through
+    # SDPA; float32's all through the kernel).
     "cpu-kernel": functools.partial(paged_attention_cpu, min_sdpa_query_len=0),
     "cpu": paged_attention_cpu,
 }
@@ -255,7 +256,14 @@ def test_fresh_prompts_read_this_steps_kv(backend, window):
         for block_id in tables[i][: -(-reqs[i][1] // 4)]:
             b["k_cache"][block_id] = float("nan")
             b["v_cache"][block_id] = float("nan")
-    out = BACKENDS[backend](
+    # The CPU backend's hand-off of long prompts to SDPA (bfloat16's; float32 keeps every row
+    # in the kernel, which reads the cache this step wrote).
+    attention = (
+        BACKENDS["sdpa"]
+        if backend == "sdpa"
+        else functools.partial(paged_attention_cpu, min_sdpa_query_len=MIN_SDPA_QUERY_LEN)
+    )
+    out = attention(
         b["query"], b["k_cache"], b["v_cache"], meta, 0.125, sliding_window=window,
         key=b["key"], value=b["value"],
     )  # fmt: skip
@@ -344,3 +352,54 @@ def test_cpu_cache_write_refuses_a_slot_outside_the_pool():
     with pytest.raises(RuntimeError, match="out of range"):
         write_kv_cache_cpu(key, key, k_cache, v_cache, torch.tensor([8]))
     assert not k_cache.any()
+
+
+def _attend_paged(q, k, v, block_size, others=(), seed=0, **kwargs):
+    """The CPU kernel's output for one request whose context is k/v [S, kv_heads, d] and whose
+    queries q [Q, heads, d] are its last Q positions, its blocks shuffled in a pool of
+    `block_size`-token blocks, after the requests `others` [(context, q_len)] in the batch."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, d = q.shape[1], k.shape[1], k.shape[2]
+    reqs = [*others, (k.shape[0] - q.shape[0], q.shape[0])]
+    lens = [c + n for c, n in reqs]
+    needed = [math.ceil(s / block_size) for s in lens]
+    perm = torch.randperm(sum(needed), generator=g).tolist()
+    tables, start = np.zeros((len(reqs), max(needed)), np.int32), 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = perm[start : start + n]
+        start += n
+    shape = (sum(needed), block_size, kv_heads, d)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    queries = []
+    for i, s in enumerate(lens):
+        last = i == len(reqs) - 1
+        kk = k if last else torch.randn(s, kv_heads, d, generator=g)
+        vv = v if last else torch.randn(s, kv_heads, d, generator=g)
+        queries.append(q if last else torch.randn(reqs[i][1], heads, d, generator=g))
+        for p in range(s):
+            k_cache[tables[i, p // block_size], p % block_size] = kk[p]
+            v_cache[tables[i, p // block_size], p % block_size] = vv[p]
+    meta = AttentionMetadata.build(block_size, [0] * sum(n for _, n in reqs), tables,
+                                   [n for _, n in reqs], lens)  # fmt: skip
+    out = paged_attention_cpu(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, **kwargs)
+    return out[-q.shape[0] :]
+
+
+@pytest.mark.parametrize(("context", "q_len"), [(37, 21), (590, 40)])
+@pytest.mark.parametrize("kwargs", [{}, {"sliding_window": 9}, {"logits_soft_cap": 30.0}])
+def test_cpu_kernel_row_is_the_same_whatever_the_batch_chunk_and_block_size(context, q_len, kwargs):
+    """float32 (every row through the kernel): a query row's output is bit for bit the same as
+    a prompt's chunk, as a decode step alone, beside other requests, and with blocks of 1, 16
+    or 32 tokens (batch invariance: docs/determinism.md)."""
+    g = torch.Generator().manual_seed(context)
+    q = torch.randn(q_len, 9, 64, generator=g)
+    k, v = (
+        torch.randn(context + q_len, 3, 64, generator=g),
+        torch.randn(context + q_len, 3, 64, generator=g),
+    )
+    chunk = _attend_paged(q, k, v, 16, **kwargs)
+    for r in (0, q_len // 2, q_len - 1):
+        p = context + r + 1  # the row's context, itself included
+        for block_size, others in [(16, ()), (1, ()), (32, ((5, 1), (40, 17)))]:
+            alone = _attend_paged(q[r : r + 1], k[:p], v[:p], block_size, others, seed=r, **kwargs)
+            assert torch.equal(alone[0], chunk[r]), (r, block_size, others)

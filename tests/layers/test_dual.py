@@ -1,7 +1,8 @@
-"""--quantization auto's layers (layers/quantization/dual.py): the checkpoint's codes for steps of
-up to max_code_rows rows, the same weights in the model's dtype above; both copies hold the
-codes' numbers, each path is exactly its kernel, and the config gives dual layers only where the
-checkpoint has codes for every part of a layer."""
+"""--quantization auto's layers (layers/quantization/dual.py): in bfloat16 the checkpoint's codes
+for steps of up to max_code_rows rows, the same weights in the model's dtype above, both copies
+holding the codes' numbers and each path exactly its kernel; in float32 the codes alone at every
+row count. The config gives dual layers only where the checkpoint has codes for every part of a
+layer."""
 
 from __future__ import annotations
 
@@ -41,33 +42,48 @@ def dual_layer(kind: str, codes, dtype, bias=None, prepack=False) -> ColumnParal
 
 @pytest.mark.parametrize("kind", sorted(CODES))
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_each_path_is_its_kernel_over_the_same_weights(kind, with_bias):
+def test_float32_multiplies_the_codes_at_every_row_count(kind, with_bias):
+    """float32 keeps no float copy: every step, whatever its rows, is the codes kernel."""
     torch.manual_seed(0)
     codes = CODES[kind].from_float(torch.randn(96, 160))
     bias = torch.randn(96) if with_bias else None
     layer = dual_layer(kind, codes, torch.float32, bias)
     method = layer.quant_method
-    # The float copy is the layer's codes (float16 scales) dequantized, bit for bit.
+    assert method.codes_only and not hasattr(layer, "dense_weight")
     w = method.codes_method.dequantize(layer)
     torch.testing.assert_close(w, codes.dequantize(), rtol=0, atol=1e-2)
-    assert torch.equal(layer.dense_weight, w)
     ops = kernels.cpu_ops()
-    for rows in (1, 3, method.max_code_rows, method.max_code_rows + 1, 40):
+    for rows in (1, 3, 49, 64):
         x = torch.randn(rows, 160)
+        want = getattr(ops, f"{kind}_linear")(x, *method.codes(layer))
+        assert torch.equal(layer(x), want if bias is None else want + bias), rows
+        exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(layer(x), exact.float(), rtol=1e-5, atol=1e-4)
+    assert layer(torch.randn(2, 5, 160)).shape == (2, 5, 96)  # leading dims: 10 rows
+    assert method.bytes_read(layer, 256) == method.nbytes(layer) < 96 * 160 * 4
+    assert weight_bytes(layer) == method.nbytes(layer) + (0 if bias is None else 96 * 4)
+
+
+@pytest.mark.parametrize("kind", sorted(CODES))
+def test_bfloat16_each_path_is_its_kernel_over_the_same_weights(kind):
+    torch.manual_seed(0)
+    codes = CODES[kind].from_float(torch.randn(96, 160))
+    layer = dual_layer(kind, codes, torch.bfloat16)
+    method = layer.quant_method
+    # The float copy is the layer's codes (float16 scales) dequantized, then rounded.
+    w = method.codes_method.dequantize(layer)
+    assert torch.equal(layer.dense_weight, w.bfloat16())
+    ops = kernels.cpu_ops()
+    for rows in (1, method.max_code_rows, method.max_code_rows + 1, 40):
+        x = torch.randn(rows, 160).bfloat16()
         y = layer(x)
         if rows <= method.max_code_rows:
-            want = getattr(ops, f"{kind}_linear")(x, *method.codes(layer))
-            want = want if bias is None else want + bias
+            assert torch.equal(y, getattr(ops, f"{kind}_linear")(x, *method.codes(layer))), rows
         else:
-            want = F.linear(x, w, bias)
-        assert torch.equal(y, want), rows
-        # Both paths compute the same product: only the order of the sums differs.
-        exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-        torch.testing.assert_close(y, exact.float(), rtol=1e-5, atol=1e-4)
-    assert layer(torch.randn(2, 5, 160)).shape == (2, 5, 96)  # leading dims: 10 rows
+            assert torch.equal(y, F.linear(x, layer.dense_weight)), rows
     # What bench step's roofline counts: the codes up to max_code_rows rows, the copy above.
-    assert method.bytes_read(layer, method.max_code_rows) == method.nbytes(layer) < 96 * 160 * 4
-    assert method.bytes_read(layer, method.max_code_rows + 1) == 96 * 160 * 4
+    assert method.bytes_read(layer, method.max_code_rows) == method.nbytes(layer) < 96 * 160 * 2
+    assert method.bytes_read(layer, method.max_code_rows + 1) == 96 * 160 * 2
 
 
 def test_float_weights_are_quantized_once_for_both_copies():
@@ -75,11 +91,12 @@ def test_float_weights_are_quantized_once_for_both_copies():
     them; the copy is those codes dequantized, not the floats."""
     torch.manual_seed(1)
     w = torch.randn(64, 64)
-    layer = dual_layer("int4", w, torch.float32)
-    assert torch.equal(layer.dense_weight, layer.quant_method.codes_method.dequantize(layer))
-    torch.testing.assert_close(layer.dense_weight, Int4Weight.from_float(w).dequantize(),
+    layer = dual_layer("int4", w, torch.bfloat16)
+    want = layer.quant_method.codes_method.dequantize(layer)
+    assert torch.equal(layer.dense_weight, want.bfloat16())
+    torch.testing.assert_close(want, Int4Weight.from_float(w.bfloat16()).dequantize(),
                                rtol=0, atol=1e-2)  # fmt: skip
-    assert not torch.equal(layer.dense_weight, w)
+    assert not torch.equal(want, w)
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="oneDNN bf16")
@@ -94,22 +111,31 @@ def test_bfloat16_copy_prepacked():
     torch.testing.assert_close(layer(x), F.linear(x, w))
 
 
-def test_tied_head_shares_the_embedding_and_holds_its_own_codes():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tied_head_shares_the_embedding_and_holds_its_own_codes(dtype):
     torch.manual_seed(3)
     emb_codes = Int8Weight.from_float(torch.randn(100, 64))
-    embedding = VocabParallelEmbedding(100, 64)
+    embedding = VocabParallelEmbedding(100, 64, dtype=dtype)
     embedding.weight_loader(embedding.weight, emb_codes.dequantize())
     config = QuantizationConfig("auto", code_kinds={"lm_head": "int8"})
-    head = ParallelLMHead(100, 64, quant_config=config, tied=True)
+    head = ParallelLMHead(100, 64, quant_config=config, tied=True, dtype=dtype)
     head.tie_weights(embedding)
     head.weight_loader(head.weight, emb_codes)
     assert torch.equal(head.weight, emb_codes.q)
-    assert head.dense_weight.data_ptr() == embedding.weight.data_ptr()
-    x = torch.randn(head.quant_method.max_code_rows + 1, 64)  # the float copy: the embedding
-    assert torch.equal(head(x), F.linear(x, embedding.weight))
-    # Counted once: the embedding's floats and the head's codes (int8, float16 scales).
     both = torch.nn.ModuleList([embedding, head])
-    assert weight_bytes(both) == 100 * 64 * 4 + 100 * 64 + 100 * 2 * 2
+    codes_bytes = 100 * 64 + 100 * 2 * 2  # int8, float16 scales
+    if dtype == torch.float32:  # the codes alone, at every row count
+        assert not hasattr(head, "dense_weight")
+        x = torch.randn(64, 64)
+        assert torch.equal(
+            head(x), kernels.cpu_ops().int8_linear(x, *head.quant_method.codes(head))
+        )
+    else:
+        assert head.dense_weight.data_ptr() == embedding.weight.data_ptr()
+        x = torch.randn(head.quant_method.max_code_rows + 1, 64, dtype=dtype)
+        assert torch.equal(head(x), F.linear(x, embedding.weight))  # the copy: the embedding
+    # Counted once: the embedding's floats and the head's codes.
+    assert weight_bytes(both) == 100 * 64 * dtype.itemsize + codes_bytes
 
 
 def test_auto_gives_dual_layers_where_every_part_has_codes_of_one_kind():

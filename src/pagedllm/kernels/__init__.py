@@ -24,9 +24,12 @@ from pagedllm.cpu_info import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp",
-                                    "quant_linear.cpp", "decoder.cpp")]  # fmt: skip
-HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h"]
+SOURCES = [
+    CSRC / name
+    for name in ("paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp", "quant_linear.cpp",
+                 "dense_linear.cpp", "decoder.cpp")
+]  # fmt: skip
+HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h", CSRC / "linear_tiles.h"]
 
 
 def _capability_flags() -> list[str]:
@@ -115,3 +118,10 @@ def fused_cpu_ops_apply(x: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad) and available()
     )
+
+
+def fixed_order(x: torch.Tensor) -> bool:
+    """Whether products with float32 `x` go through the kernels' fixed-order paths, whose
+    result for a row does not depend on the other rows of the step (docs/determinism.md):
+    float32 CPU tensors outside autograd, where the kernels build."""
+    return x.dtype == torch.float32 and fused_cpu_ops_apply(x)

@@ -47,7 +47,7 @@ def _linear(layer: nn.Module, dtype: torch.dtype):
     if isinstance(method, (DualLinearMethod, Int4LinearMethod, Int8LinearMethod)):
         bits = method.codes_method.bits if isinstance(method, DualLinearMethod) else method.bits
         codes = getattr(ops.Linear, f"int{bits}")(*method.codes(layer), bias)
-        if not isinstance(method, DualLinearMethod):
+        if not isinstance(method, DualLinearMethod) or method.codes_only:
             return codes
         dense = _float_linear(layer, getattr(layer, "dense_weight", None), dtype, bias)
         return ops.Linear.dual(codes, dense, method.max_code_rows)
@@ -93,8 +93,8 @@ class FusedDecoder:
                 a.attn.sliding_window or 0,
             )
         # Quantized projections multiply codes directly up to MAX_GEMV_ROWS rows; above, the
-        # modules expand the weights for a float GEMM.
-        self.max_tokens = MAX_GEMV_ROWS if quantized else None
+        # modules expand the weights for a float GEMM (float32 multiplies codes at any rows).
+        self.max_tokens = MAX_GEMV_ROWS if quantized and dtype != torch.float32 else None
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Every request through the attention kernel (decode, short chunks), one KV group."""

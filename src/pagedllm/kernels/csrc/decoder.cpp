@@ -46,7 +46,10 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {
     if (many_rows && x.size(0) > max_code_rows) return (*many_rows)(x);
     switch (kind) {
-      case kDense: return at::linear(x, weights[0], bias);
+      case kDense:  // float32: the fixed-order kernel, as the Python layer takes it
+        if (x.scalar_type() == at::kFloat && weights[0].scalar_type() == at::kFloat)
+          return dense_linear(x, weights[0], bias);
+        return at::linear(x, weights[0], bias);
       case kPacked: return packed_linear(x, weights[0], bias);
       case kInt4: return with_bias(int4_linear(x, weights[0], weights[1], weights[2]));
       case kInt8: return with_bias(int8_linear(x, weights[0], weights[1]));

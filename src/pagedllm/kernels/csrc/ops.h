@@ -23,6 +23,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
                        at::Tensor v_cache, const at::Tensor& slot_mapping);
 
+// dense_linear.cpp
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias);
+
 // quant_linear.cpp
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins);

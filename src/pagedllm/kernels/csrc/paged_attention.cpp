@@ -5,8 +5,11 @@
 // context). The tile's rows and the query heads sharing the KV head (GQA) are its "slots"; each K
 // row is loaded (and converted to float) once for all slots, and so is each V row. A context that
 // crosses a multiple of kPartition tokens is split there, each part its own item, and the parts'
-// softmax states are merged in order afterwards: a single long request keeps every thread busy,
-// and where a request's context is split depends on its own positions only, never on the batch.
+// softmax states are merged in order afterwards: a single long request keeps every thread busy.
+// Within a part, keys go kKeyChunk positions at a time, gathered from whichever blocks hold
+// them. Every split and chunk is fixed by a row's own positions, never by the batch, the tile,
+// the block size or the prompt's chunking, so a row's result is bit for bit the same in all of
+// them (docs/determinism.md).
 // Decode (one row per request), chunked prefill and prefill with cached context are the same
 // loop: row r of a request with q_len rows and seq_len context tokens sits at position
 // seq_len - q_len + r and sees keys up to it (and, with a sliding window, above position - window).
@@ -37,6 +40,9 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kPartition = 512;  // tokens of context per work item at most
+// Keys are taken kKeyChunk positions at a time (one online-softmax update each), whatever the
+// block size: the order of a row's sums depends on its positions alone.
+constexpr int64_t kKeyChunk = 16;
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim up to 16 vectors (256 with AVX-512)
 
 // Vec::size() elements of a float dtype, as floats.
@@ -66,7 +72,7 @@ inline __m256 sum8(const __m256* a) {
 }
 #endif
 
-// One (row, head) slot against keys [lo, hi) of a float block (k, v: [block_size][head_dim]):
+// One (row, head) slot against keys [lo, hi) of a chunk of float rows (k, v: [kKeyChunk][head_dim]):
 // scores, online-softmax update of (run_max, run_sum), and the weighted sum of V into acc.
 // kVecs > 0 fixes head_dim / Vec::size() at compile time so q and acc live in registers;
 // 0 takes it from num_vecs.
@@ -224,8 +230,8 @@ void paged_attention_kernel(
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t max_slots = kQueryTile * group;  // (row, head) pairs of a tile
     std::vector<float> q_buf(max_slots * head_dim), acc(max_slots * head_dim);
-    std::vector<float> k_buf(block_size * head_dim), v_buf(block_size * head_dim);
-    std::vector<float> run_max(max_slots), run_sum(max_slots), scores(block_size);
+    std::vector<float> k_buf(kKeyChunk * head_dim), v_buf(kKeyChunk * head_dim);
+    std::vector<float> run_max(max_slots), run_sum(max_slots), scores(kKeyChunk);
 
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& it = items[w];
@@ -250,32 +256,36 @@ void paged_attention_kernel(
       const int64_t pos_begin = first_pos + it.row_begin;
       const int64_t key_begin = it.part_begin, key_end = it.part_end;
       const int32_t* table = tables + it.req * table_width;
+      // Where the row of context position p lies in a cache (the head's offset aside).
+      auto key_offset = [&](const int32_t* tbl, int64_t p) {
+        return tbl[p / block_size] * c_block + (p % block_size) * c_token;
+      };
 
-      for (int64_t blk = key_begin / block_size; blk * block_size < key_end; ++blk) {
-        const int64_t base = blk * block_size;
+      for (int64_t base = key_begin / kKeyChunk * kKeyChunk; base < key_end; base += kKeyChunk) {
         const int64_t j_begin = std::max<int64_t>(key_begin - base, 0);
-        const int64_t j_end = std::min<int64_t>(key_end - base, block_size);
-        const int64_t offset = table[blk] * c_block + it.kv_head * c_head;
-        if ((blk + 1) * block_size < key_end) {
-          // The next block is anywhere in the pool: ask for its rows of this head now, so they
-          // arrive while this block is worked on (the hardware prefetcher cannot guess it).
-          const int64_t next = table[blk + 1] * c_block + it.kv_head * c_head;
-          for (int64_t j = 0; j < block_size; ++j) {
-            const char* kr = reinterpret_cast<const char*>(k_ptr + next + j * c_token);
-            const char* vr = reinterpret_cast<const char*>(v_ptr + next + j * c_token);
+        const int64_t j_end = std::min<int64_t>(key_end - base, kKeyChunk);
+        if (base + kKeyChunk < key_end) {
+          // The next chunk's rows are anywhere in the pool: ask for them now, so they arrive
+          // while this chunk is worked on (the hardware prefetcher cannot guess them).
+          const int64_t next_end = std::min<int64_t>(key_end, base + 2 * kKeyChunk);
+          for (int64_t p = base + kKeyChunk; p < next_end; ++p) {
+            const int64_t at = key_offset(table, p) + it.kv_head * c_head;
+            const char* kr = reinterpret_cast<const char*>(k_ptr + at);
+            const char* vr = reinterpret_cast<const char*>(v_ptr + at);
             for (int64_t b = 0; b < row_bytes; b += 64) {
               __builtin_prefetch(kr + b);
               __builtin_prefetch(vr + b);
             }
           }
         }
-        // The block's K and V rows of this head, as floats, once for all the tile's slots.
+        // The chunk's K and V rows of this head, as floats, once for all the tile's slots.
         for (int64_t j = j_begin; j < j_end; ++j) {
-          row_to_float(k_ptr + offset + j * c_token, &k_buf[j * head_dim], num_vecs);
-          row_to_float(v_ptr + offset + j * c_token, &v_buf[j * head_dim], num_vecs);
+          const int64_t at = key_offset(table, base + j) + it.kv_head * c_head;
+          row_to_float(k_ptr + at, &k_buf[j * head_dim], num_vecs);
+          row_to_float(v_ptr + at, &v_buf[j * head_dim], num_vecs);
         }
         for (int64_t r = 0; r < rows; ++r) {
-          // Row r (position pos) sees keys [lo, hi) of this block.
+          // Row r (position pos) sees keys [lo, hi) of this chunk.
           const int64_t pos = pos_begin + r;
           const int64_t lo = sliding_window > 0
                                  ? std::max<int64_t>(j_begin, pos - sliding_window + 1 - base)
@@ -398,12 +408,14 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 void register_norm_rotary(pybind11::module& m);  // norm_rotary.cpp
 void register_quant_linear(pybind11::module& m);  // quant_linear.cpp
+void register_dense_linear(pybind11::module& m);  // dense_linear.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
 void register_kv_cache(pybind11::module& m);  // kv_cache.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_norm_rotary(m);
   register_quant_linear(m);
+  register_dense_linear(m);
   register_decoder(m);
   register_kv_cache(m);
   m.attr("vec_size") = static_cast<int64_t>(pagedllm::Vec::size());  // head_dim must be a multiple

@@ -1,23 +1,25 @@
 // Weight-only quantized linear layers for CPU: int4 and int8 weights in blocks of 32, as ggml
-// stores them (Q4_0 / Q4_1 / Q4_K codes, Q8_0), multiplied without expanding the weight first.
+// stores them (Q4_0 / Q4_1 / Q4_K codes, Q8_0), multiplied without expanding the whole weight.
 //
 // A single stream's decode step is a chain of matrix-vector products bound by reading weights:
 // 4-bit codes are a quarter of bfloat16's bytes, 8-bit half. Unlike torch's int4 CPU kernel,
-// this one keeps ggml's layout and float16 scales (a GGUF's blocks exactly), takes float32
-// activations at full speed, and a single bfloat16 row with AVX512-BF16 dot products; each
-// thread streams its own rows, prefetched ahead. Many rows are left to a float GEMM on the
-// expanded weight (`*_dequantize`, layers/quantization/int_linear.py).
+// this one keeps ggml's layout and float16 scales (a GGUF's blocks exactly). Float activations
+// go through linear_tiles.h's fixed order: each block of codes becomes the floats
+// `*_dequantize` writes (w = q * scale + min, one rounding), int4's in the lane order of
+// lane_weight, and is multiplied as a float weight would be, so a row's result does not depend
+// on the rows beside it. A few rows expand the codes in registers; more expand kWeightRows rows
+// at a time into a buffer that every row tile then reads. bfloat16 rows on AVX512-BF16 take
+// the bf16 dot-product path instead (faster; not checked for batch invariance).
 //
 // Layout (per output row n, groups g of group_size = K / G input channels, a multiple of 32):
 //   int4: qweight uint8 [N, K / 2]; in each 32-weight block, byte i holds weight i in its low
 //         nibble and weight i + 16 in its high nibble (ggml's order). w = q * scale + min.
 //   int8: qweight int8 [N, K]; w = q * scale.
 //   scales, mins: float16 [N, G] (ggml keeps them in float16: GGUF codes are taken exactly).
-// y[m, n] = sum_g scale[n, g] * dot(x[m, g], q[n, g]) + min[n, g] * sum(x[m, g]), in float32:
-// each block of codes is expanded to floats once and used for every row of x.
 
 #include <torch/extension.h>
 
+#include "linear_tiles.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -38,7 +40,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPieces = kBlock / Vec::size();
-constexpr int kRowTile = 4;  // rows of x sharing each expanded block of codes
+constexpr int kRowTile = 4;  // bfloat16 rows sharing each unpacked block of codes
 constexpr int64_t kPrefetchBytes = 4096;  // measured: 1-16 KB ahead all gain ~30% over none
 
 inline float reduce_sum(const Vec& v) {
@@ -94,6 +96,66 @@ inline void load_block(const uint8_t* row, int64_t b, Vec* w) {
 #endif
 }
 
+// The float path's lane order for int4 codes: piece i (of kPieces vectors), lane L holds the
+// block's weight lane_weight(i, L). A block's 16 bytes, as four 32-bit words repeated across
+// the vector, give every piece with one shift and one mask per lane (no byte shuffles, which
+// held the natural order's kernel to 9 cycles a block): lane L takes word L % 4 and nibble
+// L / 4 + (V / 4) * i of it, byte 4 * (L % 4) + nibble / 2, the weight that byte holds in its
+// low (even nibble) or high half (+16). x is reordered the same way once per call; the sums
+// then run over the same products in the same order at every row count.
+inline int64_t lane_weight(int64_t i, int64_t lane) {
+  const int64_t nibble = lane / 4 + (Vec::size() / 4) * i;
+  return 4 * (lane % 4) + nibble / 2 + 16 * (nibble % 2);
+}
+
+// Block b of a row's codes as kPieces float vectors in the float path's order: int4 in
+// lane_weight's, int8 in the natural order (its codes are whole bytes).
+template <bool kInt4>
+inline void load_block_lanes(const uint8_t* row, int64_t b, Vec* w) {
+  if constexpr (!kInt4) {
+    load_block<false>(row, b, w);
+  } else {
+#if defined(CPU_CAPABILITY_AVX2)
+    const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    const __m256i nibble = _mm256_set1_epi32(15);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256i shift = _mm256_setr_epi32(8 * i, 8 * i, 8 * i, 8 * i, 8 * i + 4, 8 * i + 4, 8 * i + 4, 8 * i + 4);
+      w[i] = Vec(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shift), nibble)));
+    }
+#elif defined(CPU_CAPABILITY_AVX512)
+    const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    const __m512i nibble = _mm512_set1_epi32(15);
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      const int s = 16 * i;
+      const __m512i shift = _mm512_setr_epi32(s, s, s, s, s + 4, s + 4, s + 4, s + 4, s + 8, s + 8, s + 8,
+                                              s + 8, s + 12, s + 12, s + 12, s + 12);
+      w[i] = Vec(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shift), nibble)));
+    }
+#else
+    alignas(64) float f[kBlock];
+    const uint8_t* p = row + b * 16;
+    for (int64_t i = 0; i < kPieces; ++i) {
+      for (int64_t lane = 0; lane < Vec::size(); ++lane) {
+        const int64_t k = lane_weight(i, lane);
+        f[i * Vec::size() + lane] = static_cast<float>(k < 16 ? p[k] & 15 : p[k - 16] >> 4);
+      }
+    }
+    for (int64_t i = 0; i < kPieces; ++i) w[i] = Vec::loadu(f + i * Vec::size());
+#endif
+  }
+}
+
+// x [M, K] (K whole blocks) in the float path's order for int4 codes.
+inline void reorder_for_int4(const float* x, int64_t count, float* out) {
+  int64_t at_lane[kBlock];
+  for (int64_t i = 0; i < kPieces; ++i)
+    for (int64_t lane = 0; lane < Vec::size(); ++lane) at_lane[i * Vec::size() + lane] = lane_weight(i, lane);
+  for (int64_t b = 0; b < count; b += kBlock)
+    for (int64_t j = 0; j < kBlock; ++j) out[b + j] = x[b + at_lane[j]];
+}
+
 // float16 [count] -> float [count].
 inline void half_to_float(const at::Half* src, float* dst, int64_t count) {
   int64_t i = 0;
@@ -121,109 +183,54 @@ inline float dot(const float* a, const float* b, int64_t count) {
   return sum;
 }
 
-// NT weight rows (codes q + j * row_bytes, scales and mins as floats [NT][G]) against R rows of
-// x (float [R][K], group sums xsum [R][G]): y[r * y_stride + j]. The NT x R accumulators are
-// independent chains of fused multiply-adds, which keeps the FMA units busy at one row of x.
+// Rows [0, R) of x (float [R][K]) against NT rows of codes (q + j * row_bytes; scales and
+// mins as floats [NT][G]), the codes expanded in registers: y[r * N + j]. The same operations
+// per output as tiles::dense_tile on the expanded weight.
 template <int R, int NT, bool kInt4, typename T>
-inline void dot_tile(const float* x, const float* xsum, int64_t K, int64_t G, const uint8_t* q,
-                     int64_t row_bytes, const float* scale, const float* mn, T* y,
-                     int64_t y_stride) {
-  const int64_t blocks_per_group = K / G / kBlock;
-  Vec acc[NT][R];
-  for (int j = 0; j < NT; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = Vec(0.f);
+inline void codes_tile(const float* x, int64_t K, int64_t G, const uint8_t* q, int64_t row_bytes,
+                       const float* scale, const float* mn, T* y, int64_t N) {
+  const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
+  Vec acc[R][NT];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[r][j] = Vec(0.f);
   Vec w[kPieces];
-  if (blocks_per_group == 1) {
-    // ggml's layout, a scale per block: each block's product scaled as it is made, without the
-    // per-group partial sums of the general case below (which GCC keeps on the stack and
-    // zeroes with a memset per group: 5x slower at one row on AVX2).
-    for (int64_t b = 0; b < G; ++b) {
-#pragma GCC unroll 8
-      for (int j = 0; j < NT; ++j) {
-        load_block<kInt4>(q + j * row_bytes, b, w);
-        const Vec s(scale[j * G + b]);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const float* xr = x + r * K + b * kBlock;
-          Vec p = w[0] * Vec::loadu(xr);
-#pragma GCC unroll 8
-          for (int64_t i = 1; i < kPieces; ++i) p = at::vec::fmadd(w[i], Vec::loadu(xr + i * Vec::size()), p);
-          acc[j][r] = at::vec::fmadd(p, s, acc[j][r]);
-        }
-      }
-    }
-  }
-  int64_t b = 0;
-  for (int64_t g = 0; g < G && blocks_per_group > 1; ++g) {
-    Vec t[NT][R];
-    for (int j = 0; j < NT; ++j)
-      for (int r = 0; r < R; ++r) t[j][r] = Vec(0.f);
-    for (int64_t end = b + blocks_per_group; b < end; ++b) {
-      for (int j = 0; j < NT; ++j) {
-        load_block<kInt4>(q + j * row_bytes, b, w);
-        for (int64_t i = 0; i < kPieces; ++i) {
-          const int64_t k = b * kBlock + i * Vec::size();
-          for (int r = 0; r < R; ++r) t[j][r] = at::vec::fmadd(w[i], Vec::loadu(x + r * K + k), t[j][r]);
-        }
-      }
-    }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / blocks_per_group;
+#pragma GCC unroll 4
     for (int j = 0; j < NT; ++j) {
-      const Vec s(scale[j * G + g]);
-      for (int r = 0; r < R; ++r) acc[j][r] = at::vec::fmadd(t[j][r], s, acc[j][r]);
+      load_block_lanes<kInt4>(q + j * row_bytes, b, w);
+      const Vec s(scale[j * G + g]), m(kInt4 ? mn[j * G + g] : 0.f);
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < kPieces; ++i) {
+        const Vec wi = at::vec::fmadd(w[i], s, m);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          acc[r][j] = at::vec::fmadd(wi, Vec::loadu(x + r * K + b * kBlock + i * Vec::size()), acc[r][j]);
+      }
     }
   }
-  for (int j = 0; j < NT; ++j) {
-    for (int r = 0; r < R; ++r) {
-      const float m = kInt4 ? dot(mn + j * G, xsum + r * G, G) : 0.f;
-      y[r * y_stride + j] = static_cast<T>(reduce_sum(acc[j][r]) + m);
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NT; ++j) y[r * N + j] = tiles::finish<T>(acc[r][j], nullptr, nullptr, K, K);
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
-// dot_tile<1, 4> for ggml's layout (a scale per block of 32) in plain AVX2 intrinsics, every
-// accumulator a register (GCC keeps dot_tile's arrays on the stack): one row of x, loaded once
-// per block for the four weight rows. The same operations in the same order as dot_tile, so
-// the same results.
-template <bool kInt4, typename T>
-inline void one_row_avx2(const float* x, const float* xsum, int64_t G, const uint8_t* q,
-                         int64_t row_bytes, const float* scale, const float* mn, T* y) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  const __m128i nibble = _mm_set1_epi8(15);
-  auto block = [&](const uint8_t* row, int64_t b, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
-    __m128i c0, c1;
-    if constexpr (kInt4) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      c0 = _mm_and_si128(bytes, nibble);
-      c1 = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-    } else {
-      c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock));
-      c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock + 16));
+// Rows of codes as the floats dequantize_kernel writes, in the float path's order: w [rows][K].
+template <bool kInt4>
+inline void expand_rows(const uint8_t* q, int64_t row_bytes, const float* scale, const float* mn,
+                        int64_t rows, int64_t K, int64_t G, float* out) {
+  const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
+  Vec w[kPieces];
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g = j * G + b / blocks_per_group;
+      const Vec s(scale[g]), m(kInt4 ? mn[g] : 0.f);
+      load_block_lanes<kInt4>(q + j * row_bytes, b, w);
+      for (int64_t i = 0; i < kPieces; ++i)
+        at::vec::fmadd(w[i], s, m).store(out + j * K + b * kBlock + i * Vec::size());
     }
-    auto widen = [](__m128i c) {
-      return kInt4 ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-    };
-    __m256 p = _mm256_mul_ps(widen(c0), x0);
-    p = _mm256_fmadd_ps(widen(_mm_srli_si128(c0, 8)), x1, p);
-    p = _mm256_fmadd_ps(widen(c1), x2, p);
-    return _mm256_fmadd_ps(widen(_mm_srli_si128(c1, 8)), x3, p);
-  };
-  for (int64_t b = 0; b < G; ++b) {
-    const float* xb = x + b * kBlock;
-    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-    const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-    acc0 = _mm256_fmadd_ps(block(q, b, x0, x1, x2, x3), _mm256_set1_ps(scale[b]), acc0);
-    acc1 = _mm256_fmadd_ps(block(q + row_bytes, b, x0, x1, x2, x3), _mm256_set1_ps(scale[G + b]), acc1);
-    acc2 = _mm256_fmadd_ps(block(q + 2 * row_bytes, b, x0, x1, x2, x3), _mm256_set1_ps(scale[2 * G + b]), acc2);
-    acc3 = _mm256_fmadd_ps(block(q + 3 * row_bytes, b, x0, x1, x2, x3), _mm256_set1_ps(scale[3 * G + b]), acc3);
-  }
-  const __m256 accs[4] = {acc0, acc1, acc2, acc3};
-  for (int j = 0; j < 4; ++j) {
-    const float m = kInt4 ? dot(mn + j * G, xsum, G) : 0.f;
-    y[j] = static_cast<T>(reduce_sum(Vec(accs[j])) + m);
   }
 }
-#endif
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_BF16_DOT 1
@@ -290,156 +297,169 @@ void check_weights(const at::Tensor& qweight, const at::Tensor& scales, const at
   }
 }
 
-// y = x @ w.T in T (x's dtype); x [M, K] contiguous. Called once per layer and token in a
-// decode step, so no torch operators inside (each costs microseconds at these sizes).
-template <bool kInt4, typename T>
-void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& qweight,
-                         const at::Tensor& scales, const at::Tensor* mins) {
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = scales.size(1);
-  // x as float32 once, with each group's sum for the min term.
-  std::vector<float> xbuf;
-  const float* xp;
-  if constexpr (std::is_same_v<T, float>) {
-    xp = x.data_ptr<float>();
-  } else {
-    xbuf.resize(M * K);
-    const T* src = x.data_ptr<T>();
-    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(src[i]);
-    xp = xbuf.data();
+// Weight rows [n, n + rows) as floats (scales and mins converted for the tile), and a prefetch
+// of the rows kPrefetchBytes ahead within the thread's range [.., end).
+struct CodesTile {
+  const uint8_t* q;
+  const float* scale;
+  const float* mn;
+};
+
+inline CodesTile load_tile(const uint8_t* qp, const at::Half* sp, const at::Half* mp,
+                           int64_t row_bytes, int64_t G, int64_t n, int64_t rows, int64_t end,
+                           float* sf, float* mf) {
+  half_to_float(sp + n * G, sf, rows * G);
+  if (mp) half_to_float(mp + n * G, mf, rows * G);
+  const uint8_t* qn = qp + n * row_bytes;
+  // Cold weights stream at a few GB/s a core unless fetched ahead of use: ask for the rows
+  // kPrefetchBytes ahead (within this thread's range) while this tile computes.
+  if ((n + rows) * row_bytes + kPrefetchBytes <= end * row_bytes) {
+    const uint8_t* ahead = qn + kPrefetchBytes;
+    for (int64_t off = 0; off < rows * row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2);
+    const int64_t ahead_rows = kPrefetchBytes / row_bytes;
+    __builtin_prefetch(sp + (n + ahead_rows) * G, 0, 2);
+    if (mp) __builtin_prefetch(mp + (n + ahead_rows) * G, 0, 2);
   }
-  std::vector<float> xsum(kInt4 ? M * G : 0);
-  if constexpr (kInt4) {
-    const int64_t group = K / G;
-    for (int64_t i = 0; i < M * G; ++i) {
-      float s = 0.f;
-      for (int64_t k = 0; k < group; ++k) s += xp[i * group + k];
-      xsum[i] = s;
-    }
-  }
-  T* yp = y.data_ptr<T>();
+  return {qn, sf, mf};
+}
+
 #ifdef PAGEDLLM_BF16_DOT
-  // bfloat16 rows and whole pairs of blocks: the AVX512-BF16 path (int4_rows_bf16).
-  bool bf16_dot = false;
-  std::vector<at::BFloat16> x_perm;
-  if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
-    bf16_dot = (K / kBlock) % 2 == 0;
-    if (bf16_dot) {
-      x_perm.resize(M * K);
-      const T* src = x.data_ptr<T>();
-      for (int64_t b = 0; b < M * K; b += 2 * kBlock) {  // K is whole pairs: rows too
-        for (int64_t i = 0; i < 16; ++i) {
-          x_perm[b + i] = src[b + i];                     // A 0-15
-          x_perm[b + 16 + i] = src[b + kBlock + i];       // B 0-15
-          x_perm[b + 32 + i] = src[b + 16 + i];           // A 16-31
-          x_perm[b + 48 + i] = src[b + kBlock + 16 + i];  // B 16-31
-        }
-      }
+// bfloat16 x [M, K] (K whole pairs of blocks) against int4 codes with int4_rows_bf16.
+template <typename T>
+void int4_linear_bf16(T* yp, const at::Tensor& x, const uint8_t* qp, const at::Half* sp,
+                      const at::Half* mp, int64_t row_bytes, int64_t M, int64_t K, int64_t N,
+                      int64_t G) {
+  const T* src = x.data_ptr<T>();
+  std::vector<float> xsum(M * G);  // each group's sum, for the min term
+  const int64_t group = K / G;
+  for (int64_t i = 0; i < M * G; ++i) {
+    float s = 0.f;
+    for (int64_t k = 0; k < group; ++k) s += static_cast<float>(src[i * group + k]);
+    xsum[i] = s;
+  }
+  std::vector<at::BFloat16> x_perm(M * K);
+  for (int64_t b = 0; b < M * K; b += 2 * kBlock) {  // K is whole pairs: rows too
+    for (int64_t i = 0; i < 16; ++i) {
+      x_perm[b + i] = src[b + i];                     // A 0-15
+      x_perm[b + 16 + i] = src[b + kBlock + i];       // B 0-15
+      x_perm[b + 32 + i] = src[b + 16 + i];           // A 16-31
+      x_perm[b + 48 + i] = src[b + kBlock + 16 + i];  // B 16-31
     }
   }
-#endif
-  const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* mp = mins ? mins->data_ptr<at::Half>() : nullptr;
-  const int64_t row_bytes = qweight.size(1);
-  // Each thread streams a contiguous range of weight rows, kRowsN at a time.
   constexpr int kRowsN = 4;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sm(2 * kRowsN * G);  // the tile's scales, then its mins, as floats
-    float* sf = sm.data();
-    float* mf = sf + kRowsN * G;
+    std::vector<float> sm(2 * kRowsN * G);
+    float *sf = sm.data(), *mf = sf + kRowsN * G;
     const float* xs = xsum.data();
+    const at::BFloat16* xq = x_perm.data();
     for (int64_t n = begin; n < end; n += kRowsN) {
       const int64_t rows = std::min<int64_t>(kRowsN, end - n);
-      half_to_float(sp + n * G, sf, rows * G);
-      if (mp) half_to_float(mp + n * G, mf, rows * G);
-      const uint8_t* qn = qp + n * row_bytes;
+      const uint8_t* qn = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sf, mf).q;
       T* yn = yp + n;
-      // Cold weights stream at a few GB/s a core unless fetched ahead of use: ask for the
-      // rows kPrefetchBytes ahead (within this thread's range) while this tile computes.
-      const int64_t tile_bytes = rows * row_bytes;
-      if ((n + rows) * row_bytes + kPrefetchBytes <= end * row_bytes) {
-        const uint8_t* ahead = qn + kPrefetchBytes;
-        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2);
-        const int64_t ahead_rows = kPrefetchBytes / row_bytes;
-        __builtin_prefetch(sp + (n + ahead_rows) * G, 0, 2);
-        if (mp) __builtin_prefetch(mp + (n + ahead_rows) * G, 0, 2);
-      }
-#ifdef PAGEDLLM_BF16_DOT
-      if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
-        if (bf16_dot) {
-          for (int64_t i = 0; i < rows * G; ++i) mf[i] -= 128.f * sf[i];
-          const at::BFloat16* xq = x_perm.data();
-          if (rows < kRowsN) {
-            for (int64_t j = 0; j < rows; ++j) {
-              for (int64_t m = 0; m < M; ++m) {
-                int4_rows_bf16<1, 1>(xq + m * K, xs + m * G, K, G, qn + j * row_bytes,
-                                     row_bytes, sf + j * G, mf + j * G, yn + m * N + j, N);
-              }
-            }
-            continue;
-          }
-          int64_t m = 0;
-          for (; m + kRowTile <= M; m += kRowTile) {
-            for (int64_t j = 0; j < kRowsN; j += 2) {
-              int4_rows_bf16<kRowTile, 2>(xq + m * K, xs + m * G, K, G, qn + j * row_bytes,
-                                          row_bytes, sf + j * G, mf + j * G, yn + m * N + j, N);
-            }
-          }
-          const int64_t left = M - m;
-          const at::BFloat16* xl = xq + m * K;
-          if (left == 3) {
-            for (int64_t j = 0; j < kRowsN; j += 2) {
-              int4_rows_bf16<3, 2>(xl, xs + m * G, K, G, qn + j * row_bytes, row_bytes,
-                                   sf + j * G, mf + j * G, yn + m * N + j, N);
-            }
-          } else if (left == 2) {
-            int4_rows_bf16<2, kRowsN>(xl, xs + m * G, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
-          } else if (left == 1) {
-            int4_rows_bf16<1, kRowsN>(xl, xs + m * G, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
-          }
-          continue;
-        }
-      }
-#endif
+      for (int64_t i = 0; i < rows * G; ++i) mf[i] -= 128.f * sf[i];
       if (rows < kRowsN) {
         for (int64_t j = 0; j < rows; ++j) {
           for (int64_t m = 0; m < M; ++m) {
-            dot_tile<1, 1, kInt4, T>(xp + m * K, xs + m * G, K, G, qn + j * row_bytes, row_bytes,
-                                  sf + j * G, mf + j * G, yn + m * N + j, N);
+            int4_rows_bf16<1, 1>(xq + m * K, xs + m * G, K, G, qn + j * row_bytes, row_bytes,
+                                 sf + j * G, mf + j * G, yn + m * N + j, N);
           }
         }
         continue;
       }
       int64_t m = 0;
       for (; m + kRowTile <= M; m += kRowTile) {
-        dot_tile<kRowTile, 2, kInt4, T>(xp + m * K, xs + m * G, K, G, qn, row_bytes, sf, mf,
-                                     yn + m * N, N);
-        dot_tile<kRowTile, 2, kInt4, T>(xp + m * K, xs + m * G, K, G, qn + 2 * row_bytes,
-                                     row_bytes, sf + 2 * G, mf + 2 * G, yn + m * N + 2, N);
+        for (int64_t j = 0; j < kRowsN; j += 2) {
+          int4_rows_bf16<kRowTile, 2>(xq + m * K, xs + m * G, K, G, qn + j * row_bytes,
+                                      row_bytes, sf + j * G, mf + j * G, yn + m * N + j, N);
+        }
       }
-      const float* xm = xp + m * K;
-      const float* xsm = xs + m * G;
-      switch (M - m) {  // the last 1-3 rows, in one pass over the codes
-        case 3:
-          dot_tile<3, 2, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
-          dot_tile<3, 2, kInt4, T>(xm, xsm, K, G, qn + 2 * row_bytes, row_bytes, sf + 2 * G,
-                                mf + 2 * G, yn + m * N + 2, N);
-          break;
-        case 2:
-          dot_tile<2, kRowsN, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
-          break;
-        case 1:
-#if defined(CPU_CAPABILITY_AVX2)
-          if (K == G * kBlock) {
-            one_row_avx2<kInt4, T>(xm, xsm, G, qn, row_bytes, sf, mf, yn + m * N);
-            break;
-          }
-#endif
-          dot_tile<1, kRowsN, kInt4, T>(xm, xsm, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
-          break;
+      const int64_t left = M - m;
+      const at::BFloat16* xl = xq + m * K;
+      if (left == 3) {
+        for (int64_t j = 0; j < kRowsN; j += 2) {
+          int4_rows_bf16<3, 2>(xl, xs + m * G, K, G, qn + j * row_bytes, row_bytes, sf + j * G,
+                               mf + j * G, yn + m * N + j, N);
+        }
+      } else if (left == 2) {
+        int4_rows_bf16<2, kRowsN>(xl, xs + m * G, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
+      } else if (left == 1) {
+        int4_rows_bf16<1, kRowsN>(xl, xs + m * G, K, G, qn, row_bytes, sf, mf, yn + m * N, N);
       }
     }
   });
+}
+#endif
+
+// Up to this many rows the codes are expanded in registers, kRegisterWeightRows weight rows at
+// a time; more rows share one expansion of tiles::kWeightRows weight rows into a buffer.
+constexpr int64_t kRegisterRows = 2;
+constexpr int64_t kRegisterWeightRows = 4;
+
+// y = x @ w.T in T (x's dtype); x [M, K] contiguous. Called once per layer and token in a
+// decode step, so no torch operators inside (each costs microseconds at these sizes).
+template <bool kInt4, typename T>
+void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& qweight,
+                         const at::Tensor& scales, const at::Tensor* mins) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = scales.size(1);
+  T* yp = y.data_ptr<T>();
+  const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins ? mins->data_ptr<at::Half>() : nullptr;
+  const int64_t row_bytes = qweight.size(1);
+#ifdef PAGEDLLM_BF16_DOT
+  if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
+    if ((K / kBlock) % 2 == 0) return int4_linear_bf16(yp, x, qp, sp, mp, row_bytes, M, K, N, G);
+  }
+#endif
+  // x as float32 once, in the codes' lane order.
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  tiles::AlignedFloats xbuf(kFloat && !kInt4 ? 0 : M * K), widened(!kFloat && kInt4 ? M * K : 0);
+  const float* xp;
+  if constexpr (kFloat) {
+    xp = x.data_ptr<float>();
+  } else {
+    const T* src = x.data_ptr<T>();
+    float* dst = kInt4 ? widened.data() : xbuf.data();
+    for (int64_t i = 0; i < M * K; ++i) dst[i] = static_cast<float>(src[i]);
+    xp = dst;
+  }
+  if constexpr (kInt4) {
+    reorder_for_int4(xp, M * K, xbuf.data());
+    xp = xbuf.data();
+  }
+  const bool in_registers = M <= kRegisterRows;
+  const int64_t NT = in_registers ? kRegisterWeightRows : tiles::kWeightRows;
+  const int64_t pass = in_registers ? M : tiles::rows_per_pass(K);
+  for (int64_t m0 = 0; m0 < M; m0 += pass) {
+    const int64_t rows_x = std::min(pass, M - m0);
+    const float* xm = xp + m0 * K;
+    T* ym = yp + m0 * N;
+    // Each thread streams a contiguous range of weight rows, NT at a time.
+    at::parallel_for(0, (N + NT - 1) / NT, 4, [&](int64_t first, int64_t last) {
+      const int64_t end = std::min(N, last * NT);
+      std::vector<float> sm(2 * NT * G);  // the tile's scales, then its mins, as floats
+      tiles::AlignedFloats wbuf(in_registers ? 0 : NT * K);
+      for (int64_t n = first * NT; n < end; n += NT) {
+        const int64_t rows = std::min(NT, end - n);
+        const CodesTile t = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sm.data(), sm.data() + NT * G);
+        if (!in_registers) {
+          expand_rows<kInt4>(t.q, row_bytes, t.scale, t.mn, rows, K, G, wbuf.data());
+          tiles::dense_rows_any(rows, xm, rows_x, K, wbuf.data(), K, ym + n, N);
+        } else if (rows < NT) {
+          for (int64_t j = 0; j < rows; ++j) {
+            for (int64_t m = 0; m < rows_x; ++m) {
+              codes_tile<1, 1, kInt4, T>(xm + m * K, K, G, t.q + j * row_bytes, row_bytes,
+                                         t.scale + j * G, t.mn + j * G, ym + m * N + n + j, N);
+            }
+          }
+        } else if (rows_x == 2) {
+          codes_tile<2, kRegisterWeightRows, kInt4, T>(xm, K, G, t.q, row_bytes, t.scale, t.mn, ym + n, N);
+        } else {
+          codes_tile<1, kRegisterWeightRows, kInt4, T>(xm, K, G, t.q, row_bytes, t.scale, t.mn, ym + n, N);
+        }
+      }
+    });
+  }
 }
 
 template <bool kInt4>

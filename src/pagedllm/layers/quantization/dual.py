@@ -4,14 +4,20 @@ for steps of more.
 
 A step of a few rows (one stream's decode) is bound by reading the weights: int4 codes are an
 eighth of float32's bytes and a quarter of bfloat16's. A step of many rows is bound by
-arithmetic, where the float GEMMs (MKL, oneDNN's prepacked bfloat16) beat the codes kernel,
-which expands the codes for every row tile. Both copies hold the same numbers, the float one
-being the codes dequantized (then rounded to the dtype), so the only difference between the
-paths is the order of the sums. Keeping both costs the codes' bytes on top of the float model's
-(logged at load; `--quantization none` or `int4` keeps one format).
+arithmetic, where oneDNN's prepacked bfloat16 GEMMs beat the codes kernel, which expands the
+codes for every tile of weight rows. Both copies hold the same numbers, the float one being the
+codes dequantized (then rounded to the dtype); the paths differ in the order of their sums.
+Keeping both costs the codes' bytes on top of the float model's (logged at load;
+`--quantization none` or `int4` keeps one format).
+
+float32 keeps the codes alone: the kernels' fixed-order product multiplies them as fast as
+their float copy up to 256 rows (docs/performance.md), and with one path a row's result does not
+depend on how many rows the step has (docs/determinism.md).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -21,22 +27,21 @@ from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.layers.quantization.int_linear import _BlockQuantMethod
 from pagedllm.layers.quantization.unquantized import float_bytes_read, float_linear, pack
 
-# Up to this many rows the codes are multiplied; above, the float weight. float32: the crossover
-# of the default model's 120 projections, `python benchmarks/cpu_microbench.py --dual` on a
-# 2-core AVX2 machine (codes 4.6x faster at one row, 1.45x at 32, 1.13x at 48, 0.77-1.03x at
-# 64; docs/performance.md). bfloat16: not measured on a machine with oneDNN's bf16 path yet; from
-# that machine's figures of the codes kernel and of oneDNN's prepacked GEMMs, about 8.
-MAX_CODE_ROWS = {torch.float32: 48, torch.bfloat16: 8}
+# Up to this many rows the codes are multiplied; above, the float weight. bfloat16: not measured
+# on a machine with oneDNN's bf16 path yet; from that machine's figures of the codes kernel and
+# of oneDNN's prepacked GEMMs, about 8. float32: every row count (no float copy).
+MAX_CODE_ROWS = {torch.bfloat16: 8}
 
 
 def max_code_rows(dtype: torch.dtype) -> int:
-    return MAX_CODE_ROWS.get(dtype, 8)
+    return sys.maxsize if dtype == torch.float32 else MAX_CODE_ROWS.get(dtype, 8)
 
 
 class DualLinearMethod(LinearMethodBase):
-    """The codes as `codes`'s method holds them (`weight`, `weight_scale`[, `weight_min`]) and
-    the float weight as `dense_weight` (a tied LM head's: the embedding's own tensor), or after
-    loading, in bfloat16 on CPU, as `packed_weight` for oneDNN."""
+    """The codes as `codes`'s method holds them (`weight`, `weight_scale`[, `weight_min`]) and,
+    but in float32 (`codes_only`), the float weight as `dense_weight` (a tied LM head's: the
+    embedding's own tensor), or after loading, in bfloat16 on CPU, as `packed_weight` for
+    oneDNN."""
 
     takes_codes = True
 
@@ -46,18 +51,20 @@ class DualLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         self.codes_method.create_weights(layer, dtype)
         self.dtype, self.max_code_rows = dtype, max_code_rows(dtype)
-        if not self.tied:
+        self.codes_only = dtype == torch.float32
+        if not self.tied and not self.codes_only:
             rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
             layer.register_buffer("dense_weight", torch.empty(rows, cols, dtype=dtype))
 
     def tie(self, layer: nn.Module, embedding_weight: torch.Tensor) -> None:
         """A tied LM head's float weight is the embedding's (a plain attribute, not counted
         twice); its codes are its own, loaded from the embedding's checkpoint tensor."""
-        layer.dense_weight = embedding_weight.detach()
+        if not self.codes_only:
+            layer.dense_weight = embedding_weight.detach()
 
     def load_weight(self, layer: nn.Module, loaded, row: int) -> None:
         self.codes_method.load_weight(layer, loaded, row)
-        if self.tied:
+        if self.tied or self.codes_only:
             return
         rows = slice(row, row + loaded.shape[0])
         if kernels.available():  # the same numbers as dequantize's, 10x sooner
@@ -88,7 +95,9 @@ class DualLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)
-        if x2d.shape[0] <= self.max_code_rows and kernels.fused_cpu_ops_apply(x):
+        if self.codes_only or (
+            x2d.shape[0] <= self.max_code_rows and kernels.fused_cpu_ops_apply(x)
+        ):
             y = getattr(kernels.cpu_ops(), f"int{self.codes_method.bits}_linear")(
                 x2d.contiguous(), *self.codes(layer)
             )

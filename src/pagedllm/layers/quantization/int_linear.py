@@ -4,11 +4,12 @@ blocks of 32 input channels (codes.py), and activations stay in the model's floa
 int4: w = q * scale + min, q in 0..15, a float16 scale and min per group of 32 input channels.
 int8: w = q * scale, q in -127..127, a float16 scale per group (ggml's Q8_0).
 
-pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply a few rows of activations by
-the codes directly (decode: bound by reading the weights); for more rows (prefill, big batches)
-the layer expands its weight to the activations' dtype and runs a float GEMM, which is
-compute-bound there. Without the kernels, the weight is expanded by torch on every call (slow,
-but the same numbers).
+pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply float32 activations by the
+codes at every row count, in the fixed order of linear_tiles.h (as fast as MKL on the expanded
+weight up to 64 rows, 0.7-1.0x at 256, and a row's result whatever the batch). bfloat16 takes
+them up to MAX_GEMV_ROWS rows (decode: bound by reading the weights); for more (prefill, big
+batches) the layer expands its weight and runs a float GEMM. Without the kernels, the weight
+is expanded by torch on every call (slow, but the same numbers).
 """
 
 from __future__ import annotations
@@ -93,14 +94,18 @@ class _BlockQuantMethod(LinearMethodBase):
         return 0 if self.tied else numel * self.dtype.itemsize
 
     def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
-        """The codes; above MAX_GEMV_ROWS also the expanded weight, written then read."""
+        """The codes; above MAX_GEMV_ROWS in bfloat16 also the expanded weight, written then
+        read (float32 multiplies the codes at every row count)."""
         numel = layer.output_size_per_partition * layer.input_size_per_partition
-        expanded = 0 if num_rows <= MAX_GEMV_ROWS else 2 * numel * self.dtype.itemsize
+        whole = num_rows > MAX_GEMV_ROWS and self.dtype != torch.float32
+        expanded = 2 * numel * self.dtype.itemsize if whole else 0
         return self.nbytes(layer) + expanded
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)
-        if x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x):
+        if kernels.fixed_order(x) or (
+            x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x)
+        ):
             y = getattr(kernels.cpu_ops(), f"int{self.bits}_linear")(
                 x2d.contiguous(), *self.codes(layer)
             )

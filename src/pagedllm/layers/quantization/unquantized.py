@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import kernels
 from pagedllm.cpu_info import cpu_flags
 from pagedllm.layers.quantization.base import LinearMethodBase
 
@@ -29,9 +30,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def float_linear(x: torch.Tensor, layer: nn.Module, weight: torch.Tensor | None, bias):
-    """x times a float weight: the layer's oneDNN-packed copy when it has one, else `weight`."""
+    """x times a float weight: the layer's oneDNN-packed copy when it has one; float32 on CPU
+    through the kernels' fixed-order product (a row's result whatever the batch); else
+    F.linear."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
+        if weight.dtype == x.dtype == torch.float32 and kernels.fixed_order(x):
+            return kernels.cpu_ops().dense_linear(x.contiguous(), weight, bias)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 

@@ -1,0 +1,76 @@
+"""The float32 products of kernels/csrc/linear_tiles.h: a row's result is bit for bit the same
+whatever the other rows of the call (batch invariance), for float weights and for int4 / int8
+codes, at row counts that take every tile shape and both of the codes kernel's paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import kernels
+from pagedllm.layers.quantization import Int4Weight, Int8Weight
+from pagedllm.layers.quantization.codes import pack_int4
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+ROWS = (1, 2, 15, 16, 17, 64, 257)
+
+
+def quantized(kind: str, n: int, k: int, seed: int):
+    """(the codes kernel as a function of x, the codes dequantized) for a random [n, k] weight."""
+    ops = kernels.cpu_ops()
+    torch.manual_seed(seed)
+    c = (Int4Weight if kind == "int4" else Int8Weight).from_float(torch.randn(n, k))
+    if kind == "int4":
+        args = (pack_int4(c.q), c.scale.half(), c.min.half())
+    else:
+        args = (c.q, c.scale.half())
+    dense = torch.empty(n, k)
+    getattr(ops, f"{kind}_dequantize")(dense, *args)
+    return (lambda x: getattr(ops, f"{kind}_linear")(x, *args)), dense
+
+
+@pytest.mark.parametrize("n, k", [(37, 64), (96, 160), (576, 1536)])
+def test_dense_rows_equal_their_row_alone(n, k):
+    ops = kernels.cpu_ops()
+    torch.manual_seed(n)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(max(ROWS), k)
+    alone = torch.cat([ops.dense_linear(x[i : i + 1], w, bias) for i in range(len(x))])
+    torch.testing.assert_close(alone, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+    for m in ROWS:
+        for start in (0, max(ROWS) - m):  # a row at every place of the batch
+            y = ops.dense_linear(x[start : start + m].contiguous(), w, bias)
+            assert torch.equal(y, alone[start : start + m]), (m, start)
+
+
+@pytest.mark.parametrize("k", [13, 70])  # K not a multiple of the vector width: the tail
+def test_dense_tail_columns_in_order(k):
+    ops = kernels.cpu_ops()
+    torch.manual_seed(k)
+    w, x = torch.randn(11, k), torch.randn(17, k)
+    y = ops.dense_linear(x, w, None)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[5:6], ops.dense_linear(x[5:6].contiguous(), w, None))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("n, k", [(37, 64), (130, 96), (960, 576)])
+def test_codes_rows_equal_their_row_alone(kind, n, k):
+    linear, dense = quantized(kind, n, k, seed=n + k)
+    x = torch.randn(max(ROWS), k)
+    alone = torch.cat([linear(x[i : i + 1].contiguous()) for i in range(len(x))])
+    torch.testing.assert_close(alone, x @ dense.T, rtol=1e-5, atol=1e-4)
+    for m in ROWS:
+        rows = x[max(ROWS) - m :].contiguous()
+        y = linear(rows)
+        assert torch.equal(y, alone[max(ROWS) - m :]), m
+
+
+def test_bfloat16_rows_widened_take_the_same_order():
+    """bfloat16 rows against int8 codes are widened to float32 and multiplied in the same order
+    (int4 codes take AVX512-BF16's dot products where the CPU has them)."""
+    linear, _ = quantized("int8", 64, 96, seed=3)
+    x = torch.randn(17, 96).bfloat16()
+    y = linear(x)
+    for i in (0, 8, 16):
+        assert torch.equal(y[i : i + 1], linear(x[i : i + 1].contiguous()))
