@@ -145,3 +145,25 @@ def test_fused_silu_and_mul_equals_the_torch_path(dtype, d, monkeypatch):
     want = SiluAndMul()(x)
     tol = 1e-6 if dtype == torch.float32 and d % kernels.cpu_ops().vec_size else 0
     torch.testing.assert_close(fused, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+def test_fused_elementwise_kernels_give_a_row_its_result_whatever_the_rows():
+    """RMSNorm (with and without the residual), rotary and SiLU-and-mul compute each row on its
+    own: a row alone equals the same row among 257 (batch invariance, docs/determinism.md)."""
+    torch.manual_seed(0)
+    norm, act = RMSNorm(576, eps=1e-5), SiluAndMul()
+    norm.weight.data.normal_()
+    rotary = RotaryEmbedding(64, 512, 10000.0)
+    x, res, gate_up = torch.randn(257, 576), torch.randn(257, 576), torch.randn(257, 3072)
+    positions = torch.randint(0, 512, (257,))
+    q = torch.randn(257, 9 * 64)
+    full = (norm(x), norm(x, res.clone()), act(gate_up), rotary(positions, q.clone(), q.clone()))
+    for i in (0, 16, 256):
+        one = slice(i, i + 1)
+        assert torch.equal(norm(x[one])[0], full[0][i])
+        out, residual = norm(x[one], res[one].clone())
+        assert torch.equal(out[0], full[1][0][i]) and torch.equal(residual[0], full[1][1][i])
+        assert torch.equal(act(gate_up[one])[0], full[2][i])
+        q_one, k_one = rotary(positions[one], q[one].clone(), q[one].clone())
+        assert torch.equal(q_one[0], full[3][0][i]) and torch.equal(k_one[0], full[3][1][i])
