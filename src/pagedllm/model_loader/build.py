@@ -130,8 +130,12 @@ def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
     ]
     if dual:
         code_bytes = sum(method.nbytes(m) for m, method in dual)
-        rows = dual[0][1].max_code_rows
-        when = "at every row count" if dual[0][1].codes_only else f"in steps of up to {rows} rows"
+        method = dual[0][1]
+        when = (
+            "at every row count"
+            if method.codes_only
+            else f"in steps of up to {method.max_code_rows} rows"
+        )
         logger.info(
             "weights: %.1f MiB (%s), of which %.1f MiB are the GGUF's codes of %d layers, "
             "multiplied %s (--quantization none: float only)",

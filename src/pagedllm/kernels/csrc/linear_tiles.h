@@ -22,8 +22,8 @@ namespace tiles {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
 // Rows x weight rows per tile: 12 accumulators and a weight vector within AVX2's 16
-// registers, x read by the multiply-adds themselves. Measured on a 2-core AVX2 machine, 240 x
-// 576 x 576 on one thread: 2 x 6 and 2 x 7 ran at 49-67 GFLOP/s, 3 x 4 at 50-53, 4 x 2 at 28.
+// registers, x read by the multiply-adds themselves (of the shapes tried on the AVX2 machine,
+// 2 x 6 and 2 x 7 were the fastest; `cpu_microbench.py --fixed-order` times the result).
 constexpr int kRows = 2;
 constexpr int kWeightRows = 6;
 
@@ -34,8 +34,8 @@ inline int64_t rows_per_pass(int64_t K) {
   return std::max<int64_t>(kRows, rows / kRows * kRows);
 }
 
-// A float buffer aligned for vector loads (a std::vector's data is not: loads that cross
-// cache lines ran the tiles 20-30% slower).
+// A float buffer aligned for vector loads (a std::vector's data is not, and loads that cross
+// cache lines slow the tiles down).
 struct AlignedFloats {
   explicit AlignedFloats(int64_t n) : storage(n + 16) {}
   float* data() {

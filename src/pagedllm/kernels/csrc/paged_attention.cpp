@@ -72,7 +72,7 @@ inline __m256 sum8(const __m256* a) {
 }
 #endif
 
-// One (row, head) slot against keys [lo, hi) of a chunk of float rows (k, v: [kKeyChunk][head_dim]):
+// One (row, head) slot against keys [lo, hi) of a chunk of float rows (k, v: [kKeyChunk][dim]):
 // scores, online-softmax update of (run_max, run_sum), and the weighted sum of V into acc.
 // kVecs > 0 fixes head_dim / Vec::size() at compile time so q and acc live in registers;
 // 0 takes it from num_vecs.
@@ -257,8 +257,8 @@ void paged_attention_kernel(
       const int64_t key_begin = it.part_begin, key_end = it.part_end;
       const int32_t* table = tables + it.req * table_width;
       // Where the row of context position p lies in a cache (the head's offset aside).
-      auto key_offset = [&](const int32_t* tbl, int64_t p) {
-        return tbl[p / block_size] * c_block + (p % block_size) * c_token;
+      auto key_offset = [&](int64_t p) {
+        return table[p / block_size] * c_block + (p % block_size) * c_token;
       };
 
       for (int64_t base = key_begin / kKeyChunk * kKeyChunk; base < key_end; base += kKeyChunk) {
@@ -269,7 +269,7 @@ void paged_attention_kernel(
           // while this chunk is worked on (the hardware prefetcher cannot guess them).
           const int64_t next_end = std::min<int64_t>(key_end, base + 2 * kKeyChunk);
           for (int64_t p = base + kKeyChunk; p < next_end; ++p) {
-            const int64_t at = key_offset(table, p) + it.kv_head * c_head;
+            const int64_t at = key_offset(p) + it.kv_head * c_head;
             const char* kr = reinterpret_cast<const char*>(k_ptr + at);
             const char* vr = reinterpret_cast<const char*>(v_ptr + at);
             for (int64_t b = 0; b < row_bytes; b += 64) {
@@ -280,7 +280,7 @@ void paged_attention_kernel(
         }
         // The chunk's K and V rows of this head, as floats, once for all the tile's slots.
         for (int64_t j = j_begin; j < j_end; ++j) {
-          const int64_t at = key_offset(table, base + j) + it.kv_head * c_head;
+          const int64_t at = key_offset(base + j) + it.kv_head * c_head;
           row_to_float(k_ptr + at, &k_buf[j * head_dim], num_vecs);
           row_to_float(v_ptr + at, &v_buf[j * head_dim], num_vecs);
         }

@@ -212,7 +212,7 @@ inline void codes_tile(const float* x, int64_t K, int64_t G, const uint8_t* q, i
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NT; ++j) y[r * N + j] = tiles::finish<T>(acc[r][j], nullptr, nullptr, K, K);
+    for (int j = 0; j < NT; ++j) y[r * N + j] = static_cast<T>(tiles::reduce(acc[r][j]));
 }
 
 // Rows of codes as the floats dequantize_kernel writes, in the float path's order: w [rows][K].
@@ -297,17 +297,11 @@ void check_weights(const at::Tensor& qweight, const at::Tensor& scales, const at
   }
 }
 
-// Weight rows [n, n + rows) as floats (scales and mins converted for the tile), and a prefetch
-// of the rows kPrefetchBytes ahead within the thread's range [.., end).
-struct CodesTile {
-  const uint8_t* q;
-  const float* scale;
-  const float* mn;
-};
-
-inline CodesTile load_tile(const uint8_t* qp, const at::Half* sp, const at::Half* mp,
-                           int64_t row_bytes, int64_t G, int64_t n, int64_t rows, int64_t end,
-                           float* sf, float* mf) {
+// The codes of weight rows [n, n + rows), their scales and mins converted into sf and mf, and a
+// prefetch of the rows kPrefetchBytes ahead within the thread's range [.., end).
+inline const uint8_t* load_tile(const uint8_t* qp, const at::Half* sp, const at::Half* mp,
+                                int64_t row_bytes, int64_t G, int64_t n, int64_t rows,
+                                int64_t end, float* sf, float* mf) {
   half_to_float(sp + n * G, sf, rows * G);
   if (mp) half_to_float(mp + n * G, mf, rows * G);
   const uint8_t* qn = qp + n * row_bytes;
@@ -320,7 +314,7 @@ inline CodesTile load_tile(const uint8_t* qp, const at::Half* sp, const at::Half
     __builtin_prefetch(sp + (n + ahead_rows) * G, 0, 2);
     if (mp) __builtin_prefetch(mp + (n + ahead_rows) * G, 0, 2);
   }
-  return {qn, sf, mf};
+  return qn;
 }
 
 #ifdef PAGEDLLM_BF16_DOT
@@ -354,7 +348,7 @@ void int4_linear_bf16(T* yp, const at::Tensor& x, const uint8_t* qp, const at::H
     const at::BFloat16* xq = x_perm.data();
     for (int64_t n = begin; n < end; n += kRowsN) {
       const int64_t rows = std::min<int64_t>(kRowsN, end - n);
-      const uint8_t* qn = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sf, mf).q;
+      const uint8_t* qn = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sf, mf);
       T* yn = yp + n;
       for (int64_t i = 0; i < rows * G; ++i) mf[i] -= 128.f * sf[i];
       if (rows < kRowsN) {
@@ -438,24 +432,25 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
     at::parallel_for(0, (N + NT - 1) / NT, 4, [&](int64_t first, int64_t last) {
       const int64_t end = std::min(N, last * NT);
       std::vector<float> sm(2 * NT * G);  // the tile's scales, then its mins, as floats
+      float *sf = sm.data(), *mf = sf + NT * G;
       tiles::AlignedFloats wbuf(in_registers ? 0 : NT * K);
       for (int64_t n = first * NT; n < end; n += NT) {
         const int64_t rows = std::min(NT, end - n);
-        const CodesTile t = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sm.data(), sm.data() + NT * G);
+        const uint8_t* q = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sf, mf);
         if (!in_registers) {
-          expand_rows<kInt4>(t.q, row_bytes, t.scale, t.mn, rows, K, G, wbuf.data());
+          expand_rows<kInt4>(q, row_bytes, sf, mf, rows, K, G, wbuf.data());
           tiles::dense_rows_any(rows, xm, rows_x, K, wbuf.data(), K, ym + n, N);
         } else if (rows < NT) {
           for (int64_t j = 0; j < rows; ++j) {
             for (int64_t m = 0; m < rows_x; ++m) {
-              codes_tile<1, 1, kInt4, T>(xm + m * K, K, G, t.q + j * row_bytes, row_bytes,
-                                         t.scale + j * G, t.mn + j * G, ym + m * N + n + j, N);
+              codes_tile<1, 1, kInt4, T>(xm + m * K, K, G, q + j * row_bytes, row_bytes,
+                                         sf + j * G, mf + j * G, ym + m * N + n + j, N);
             }
           }
         } else if (rows_x == 2) {
-          codes_tile<2, kRegisterWeightRows, kInt4, T>(xm, K, G, t.q, row_bytes, t.scale, t.mn, ym + n, N);
+          codes_tile<2, kRegisterWeightRows, kInt4, T>(xm, K, G, q, row_bytes, sf, mf, ym + n, N);
         } else {
-          codes_tile<1, kRegisterWeightRows, kInt4, T>(xm, K, G, t.q, row_bytes, t.scale, t.mn, ym + n, N);
+          codes_tile<1, kRegisterWeightRows, kInt4, T>(xm, K, G, q, row_bytes, sf, mf, ym + n, N);
         }
       }
     });

@@ -10,14 +10,13 @@ codes dequantized (then rounded to the dtype); the paths differ in the order of 
 Keeping both costs the codes' bytes on top of the float model's (logged at load;
 `--quantization none` or `int4` keeps one format).
 
-float32 keeps the codes alone: the kernels' fixed-order product multiplies them as fast as
-their float copy up to 256 rows (docs/performance.md), and with one path a row's result does not
-depend on how many rows the step has (docs/determinism.md).
+float32 keeps the codes alone: the kernels' fixed-order product multiplies them about as fast
+as the float weights up to 64 rows and at 0.85x at 256 (`cpu_microbench.py --fixed-order`,
+docs/performance.md), and with one path a row's result does not depend on how many rows the
+step has (docs/determinism.md).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 from torch import nn
@@ -29,12 +28,12 @@ from pagedllm.layers.quantization.unquantized import float_bytes_read, float_lin
 
 # Up to this many rows the codes are multiplied; above, the float weight. bfloat16: not measured
 # on a machine with oneDNN's bf16 path yet; from that machine's figures of the codes kernel and
-# of oneDNN's prepacked GEMMs, about 8. float32: every row count (no float copy).
+# of oneDNN's prepacked GEMMs, about 8. float32 has no float copy (`codes_only`).
 MAX_CODE_ROWS = {torch.bfloat16: 8}
 
 
 def max_code_rows(dtype: torch.dtype) -> int:
-    return sys.maxsize if dtype == torch.float32 else MAX_CODE_ROWS.get(dtype, 8)
+    return MAX_CODE_ROWS.get(dtype, 8)
 
 
 class DualLinearMethod(LinearMethodBase):
@@ -89,7 +88,7 @@ class DualLinearMethod(LinearMethodBase):
         return self.codes_method.nbytes(layer)
 
     def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
-        if num_rows <= self.max_code_rows:
+        if self.codes_only or num_rows <= self.max_code_rows:
             return self.nbytes(layer)
         return float_bytes_read(layer, getattr(layer, "dense_weight", None))
 

@@ -5,8 +5,9 @@ int4: w = q * scale + min, q in 0..15, a float16 scale and min per group of 32 i
 int8: w = q * scale, q in -127..127, a float16 scale per group (ggml's Q8_0).
 
 pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply float32 activations by the
-codes at every row count, in the fixed order of linear_tiles.h (as fast as MKL on the expanded
-weight up to 64 rows, 0.7-1.0x at 256, and a row's result whatever the batch). bfloat16 takes
+codes at every row count, in the fixed order of linear_tiles.h (faster than MKL on the
+expanded weight up to 64 rows, 0.7x at 256: `cpu_microbench.py --fixed-order`; and a row's
+result whatever the batch). bfloat16 takes
 them up to MAX_GEMV_ROWS rows (decode: bound by reading the weights); for more (prefill, big
 batches) the layer expands its weight and runs a float GEMM. Without the kernels, the weight
 is expanded by torch on every call (slow, but the same numbers).

@@ -35,7 +35,7 @@ def float_linear(x: torch.Tensor, layer: nn.Module, weight: torch.Tensor | None,
     F.linear."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
-        if weight.dtype == x.dtype == torch.float32 and kernels.fixed_order(x):
+        if weight.dtype == torch.float32 and kernels.fixed_order(x):
             return kernels.cpu_ops().dense_linear(x.contiguous(), weight, bias)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
