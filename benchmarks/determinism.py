@@ -8,13 +8,19 @@ and `--num-others` random prompts (random lengths, temperature 1) are sent in a 
 at most `--concurrency` at a time, so the copies land in steps of every size and mix, as prefix
 -cache hits (`--enable-prefix-caching`) or not. A completion is its text and its log-probabilities.
 
-    python -m benchmarks.determinism [--num-identical 1000] [--num-others 200] [engine flags]
+`--compare-fast` runs the workload on `--deterministic` and then on `--no-deterministic` (the
+fast path: MKL / oneDNN GEMMs and SDPA for prefill chunks), one server after the other in the
+same run, and prints the ratio of their output tokens/s.
+
+    python -m benchmarks.determinism [--num-identical 1000] [--num-others 200] [--compare-fast]
+        [engine flags]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 import tempfile
@@ -36,6 +42,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per copy")
     group.add_argument("--concurrency", type=int, default=64, help="requests in flight at most")
     group.add_argument("--workload-seed", type=int, default=0)
+    group.add_argument(
+        "--compare-fast",
+        action="store_true",
+        help="run the workload twice: --deterministic, then --no-deterministic (the fast "
+        "path), and print both and their throughput ratio",
+    )
     group.add_argument("--output-json", help="write the result here")
 
 
@@ -74,7 +86,8 @@ async def _send(ns, url: str) -> tuple[Counter, int, float]:
         return completions, tokens, time.perf_counter() - t0
 
 
-def main(ns: argparse.Namespace, engine_args) -> int:
+def _serve_and_send(ns: argparse.Namespace, engine_args) -> dict:
+    """One server with `engine_args`, the whole workload through it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
@@ -84,15 +97,39 @@ def main(ns: argparse.Namespace, engine_args) -> int:
         with server_process(argv, url, Path(tmp) / "serve.log"):
             completions, tokens, seconds = asyncio.run(_send(ns, url))
     counts = sorted(completions.values(), reverse=True)
-    print(f"{ns.num_identical} identical greedy requests among {ns.num_others} others "
+    return {"distinct": len(counts), "counts": counts, "command": argv, "tokens": tokens,
+            "seconds": seconds, "output_tokens_per_s": tokens / seconds}  # fmt: skip
+
+
+def _report(name: str, ns: argparse.Namespace, result: dict) -> None:
+    counts = result["counts"]
+    print(f"{name}: {ns.num_identical} identical greedy requests among {ns.num_others} others "
           f"(concurrency {ns.concurrency}): {len(counts)} distinct completion(s) "
           f"{counts[:10]}{' ...' if len(counts) > 10 else ''}")  # fmt: skip
-    print(f"output: {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tokens/s")
-    print(f"command: {' '.join(argv[2:])}")
+    print(f"{name}: output {result['tokens']} tokens in {result['seconds']:.1f} s, "
+          f"{result['output_tokens_per_s']:.1f} tokens/s")  # fmt: skip
+    print(f"{name}: command: {' '.join(result['command'][2:])}")
+
+
+def main(ns: argparse.Namespace, engine_args) -> int:
+    """The engine as given; with --compare-fast, --deterministic and then --no-deterministic
+    (the fast path) on the same workload, one after the other."""
+    if not ns.compare_fast:
+        result = _serve_and_send(ns, engine_args)
+        _report("as given", ns, result)
+        if ns.output_json:
+            write_json(ns.output_json, result)
+        return 0
+    runs = {
+        name: _serve_and_send(ns, dataclasses.replace(engine_args, deterministic=on))
+        for name, on in (("invariant", True), ("fast", False))
+    }
+    for name, result in runs.items():
+        _report(name, ns, result)
+    ratio = runs["invariant"]["output_tokens_per_s"] / runs["fast"]["output_tokens_per_s"]
+    print(f"invariant / fast output tokens/s: {ratio:.2f}x")
     if ns.output_json:
-        result = {"distinct": len(counts), "counts": counts, "command": argv,
-                  "output_tokens_per_s": tokens / seconds}  # fmt: skip
-        write_json(ns.output_json, result)
+        write_json(ns.output_json, {**runs, "invariant_over_fast": ratio})
     return 0
 
 

@@ -238,6 +238,11 @@ def test_backend_selection():
     assert get_attention_backend("auto").forward is paged_attention_cpu
     with pytest.raises(ValueError, match="not cuda"):
         get_attention_backend("cpu", device="cuda")
+    # --deterministic: every request through the kernel, which alone has the fixed order
+    fixed = get_attention_backend("auto", deterministic=True)
+    assert fixed.name == "cpu" and fixed.forward.keywords == {"min_sdpa_query_len": 0}
+    with pytest.raises(ValueError, match="needs the cpu attention backend"):
+        get_attention_backend("sdpa", deterministic=True)
     with pytest.raises(ValueError, match="auto, cpu, sdpa, torch, triton"):
         get_attention_backend("flash")
 
@@ -369,33 +374,37 @@ def _attend_paged(q, k, v, block_size, others=(), seed=0, **kwargs):
         tables[i, :n] = perm[start : start + n]
         start += n
     shape = (sum(needed), block_size, kv_heads, d)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    k_cache, v_cache = torch.zeros(shape, dtype=k.dtype), torch.zeros(shape, dtype=k.dtype)
     queries = []
     for i, s in enumerate(lens):
         last = i == len(reqs) - 1
-        kk = k if last else torch.randn(s, kv_heads, d, generator=g)
-        vv = v if last else torch.randn(s, kv_heads, d, generator=g)
-        queries.append(q if last else torch.randn(reqs[i][1], heads, d, generator=g))
+        kk = k if last else torch.randn(s, kv_heads, d, generator=g).to(k.dtype)
+        vv = v if last else torch.randn(s, kv_heads, d, generator=g).to(k.dtype)
+        queries.append(q if last else torch.randn(reqs[i][1], heads, d, generator=g).to(q.dtype))
         for p in range(s):
             k_cache[tables[i, p // block_size], p % block_size] = kk[p]
             v_cache[tables[i, p // block_size], p % block_size] = vv[p]
     meta = AttentionMetadata.build(block_size, [0] * sum(n for _, n in reqs), tables,
                                    [n for _, n in reqs], lens)  # fmt: skip
-    out = paged_attention_cpu(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, **kwargs)
+    out = paged_attention_cpu(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, **kwargs,
+                              min_sdpa_query_len=0)  # fmt: skip
     return out[-q.shape[0] :]
 
 
 @pytest.mark.parametrize(("context", "q_len"), [(37, 21), (590, 40)])
 @pytest.mark.parametrize("kwargs", [{}, {"sliding_window": 9}, {"logits_soft_cap": 30.0}])
-def test_cpu_kernel_row_is_the_same_whatever_the_batch_chunk_and_block_size(context, q_len, kwargs):
-    """float32 (every row through the kernel): a query row's output is bit for bit the same as
-    a prompt's chunk, as a decode step alone, beside other requests, and with blocks of 1, 16
-    or 32 tokens (batch invariance: docs/determinism.md)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_row_is_the_same_whatever_the_batch_chunk_and_block_size(
+    context, q_len, kwargs, dtype
+):
+    """Every row through the kernel (--deterministic): a query row's output is bit for bit the
+    same as a prompt's chunk, as a decode step alone, beside other requests, and with blocks of
+    1, 16 or 32 tokens (batch invariance: docs/determinism.md)."""
     g = torch.Generator().manual_seed(context)
-    q = torch.randn(q_len, 9, 64, generator=g)
+    q = torch.randn(q_len, 9, 64, generator=g).to(dtype)
     k, v = (
-        torch.randn(context + q_len, 3, 64, generator=g),
-        torch.randn(context + q_len, 3, 64, generator=g),
+        torch.randn(context + q_len, 3, 64, generator=g).to(dtype),
+        torch.randn(context + q_len, 3, 64, generator=g).to(dtype),
     )
     chunk = _attend_paged(q, k, v, 16, **kwargs)
     for r in (0, q_len // 2, q_len - 1):

@@ -1,9 +1,9 @@
-"""Batch invariance in float32 (the default dtype on CPUs without bf16 instructions): the same
+"""Batch invariance (--deterministic: the default in float32, asked for in bfloat16): the same
 request gives the same tokens and the same log-probabilities, bit for bit, alone or beside other
 requests, as a prefix-cache hit, chunked, with any block size, after a preemption, and with the
 fused decoder or the modules (docs/determinism.md). A tiny random Llama (its logits are close
-together, so a changed sum shows in the log-probabilities at once) and the real default model
-(slow)."""
+together, so a changed sum shows in the log-probabilities at once) in both dtypes, and the real
+default model (slow)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,20 @@ TARGET = [(11 * j) % 120 + 3 for j in range(37)]  # 37 tokens: blocks of 16 and 
 OTHERS = [[(7 * i + 13 * j) % 120 + 3 for j in range(3 + (17 * i) % 60)] for i in range(31)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def tiny(request, tmp_path_factory):
+    """(path, dtype): float32 by default, bfloat16 with --deterministic."""
     path = tmp_path_factory.mktemp("tiny-llama-invariance")
     save_tiny_llama(path, seed=5, max_position_embeddings=512)
-    return str(path)
+    return str(path), request.param
 
 
-def make_llm(path, **kwargs):
+def make_llm(tiny, **kwargs):
+    path, dtype = tiny
     kwargs.setdefault("max_model_len", 256)
-    return LLM(model=path, dtype="float32", **kwargs)
+    if dtype != "float32":
+        kwargs["deterministic"] = True
+    return LLM(model=path, dtype=dtype, **kwargs)
 
 
 def greedy(n=24):
@@ -99,3 +103,25 @@ def test_default_model_same_alone_batched_and_cached():
     first = run(llm, params)
     assert run(llm, params, OTHERS[:7]) == first  # beside others, and a prefix-cache hit
     assert run(llm, params, OTHERS[7:31]) == first
+
+
+def test_deterministic_is_the_float32_default_and_refused_where_no_kernel_has_it(tmp_path):
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import create_engine_config
+    from pagedllm.entrypoints.cli import build_parser
+
+    save_tiny_llama(tmp_path)
+
+    def resolved(**kwargs) -> bool:
+        args = EngineArgs(model=str(tmp_path), device="cpu", **kwargs)
+        return create_engine_config(args).model.deterministic
+
+    assert resolved(dtype="float32") and resolved(dtype="bfloat16", deterministic=True)
+    assert not resolved(dtype="bfloat16") and not resolved(dtype="float32", deterministic=False)
+    assert not resolved(dtype="float32", attention_backend="sdpa")
+    for refused in ({"dtype": "float16"}, {"dtype": "float32", "attention_backend": "sdpa"}):
+        with pytest.raises(ValueError, match="--deterministic needs the CPU attention kernels"):
+            resolved(deterministic=True, **refused)
+    ns = build_parser().parse_args(["serve", "--enable-deterministic-inference"])
+    assert ns.deterministic is True
+    assert build_parser().parse_args(["serve", "--no-deterministic"]).deterministic is False

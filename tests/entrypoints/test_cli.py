@@ -102,7 +102,7 @@ def test_every_engine_flag_round_trips():
         enable_chunked_prefill=False, enable_prefix_caching=False, preemption_mode="swap",
         swap_space=1.5, attention_backend="sdpa", quantization="int4",
         allow_pickle_checkpoints=True, enforce_eager=True, tensor_parallel_size=2,
-        kv_allocation="pow2",
+        kv_allocation="pow2", deterministic=False,
     )  # fmt: skip
     defaults = EngineArgs()
     changed = {

@@ -29,9 +29,9 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ k
 CODES = {"int4": Int4Weight, "int8": Int8Weight}
 
 
-def dual_layer(kind: str, codes, dtype, bias=None, prepack=False) -> ColumnParallelLinear:
+def dual_layer(kind: str, codes, dtype, bias=None, prepack=False, fixed_order=False):
     n, k = codes.shape
-    config = QuantizationConfig("auto", prepack, code_kinds={"w": kind})
+    config = QuantizationConfig("auto", prepack, code_kinds={"w": kind}, fixed_order=fixed_order)
     layer = ColumnParallelLinear(k, n, bias is not None, dtype, config, prefix="w")
     assert isinstance(layer.quant_method, DualLinearMethod)
     layer.weight_loader(layer.weight, codes)
@@ -42,26 +42,48 @@ def dual_layer(kind: str, codes, dtype, bias=None, prepack=False) -> ColumnParal
 
 @pytest.mark.parametrize("kind", sorted(CODES))
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_float32_multiplies_the_codes_at_every_row_count(kind, with_bias):
-    """float32 keeps no float copy: every step, whatever its rows, is the codes kernel."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_order_multiplies_the_codes_at_every_row_count(kind, with_bias, dtype):
+    """--deterministic keeps no float copy: every step, whatever its rows, is the codes
+    kernel in float32 (bfloat16 activations widened, the result with its bias rounded once)."""
     torch.manual_seed(0)
     codes = CODES[kind].from_float(torch.randn(96, 160))
-    bias = torch.randn(96) if with_bias else None
-    layer = dual_layer(kind, codes, torch.float32, bias)
+    bias = torch.randn(96).to(dtype) if with_bias else None
+    layer = dual_layer(kind, codes, dtype, bias, fixed_order=True)
     method = layer.quant_method
     assert method.codes_only and not hasattr(layer, "dense_weight")
     w = method.codes_method.dequantize(layer)
     torch.testing.assert_close(w, codes.dequantize(), rtol=0, atol=1e-2)
     ops = kernels.cpu_ops()
     for rows in (1, 3, 49, 64):
-        x = torch.randn(rows, 160)
-        want = getattr(ops, f"{kind}_linear")(x, *method.codes(layer))
-        assert torch.equal(layer(x), want if bias is None else want + bias), rows
+        x = torch.randn(rows, 160).to(dtype)
+        want = getattr(ops, f"{kind}_linear")(x.float(), *method.codes(layer))
+        want = (want if bias is None else want + bias.float()).to(dtype)
+        assert torch.equal(layer(x), want), rows
         exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-        torch.testing.assert_close(layer(x), exact.float(), rtol=1e-5, atol=1e-4)
-    assert layer(torch.randn(2, 5, 160)).shape == (2, 5, 96)  # leading dims: 10 rows
-    assert method.bytes_read(layer, 256) == method.nbytes(layer) < 96 * 160 * 4
-    assert weight_bytes(layer) == method.nbytes(layer) + (0 if bias is None else 96 * 4)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(layer(x), exact.to(dtype), rtol=tol, atol=tol)
+    assert layer(torch.randn(2, 5, 160).to(dtype)).shape == (2, 5, 96)  # leading dims: 10 rows
+    assert method.bytes_read(layer, 256) == method.nbytes(layer) < 96 * 160 * dtype.itemsize
+    bias_bytes = 0 if bias is None else 96 * dtype.itemsize
+    assert weight_bytes(layer) == method.nbytes(layer) + bias_bytes
+
+
+def test_float32_without_fixed_order_takes_the_float_copy_above_max_code_rows():
+    """--no-deterministic: the codes up to max_code_rows rows, MKL on the float copy above."""
+    torch.manual_seed(0)
+    codes = Int4Weight.from_float(torch.randn(96, 160))
+    layer = dual_layer("int4", codes, torch.float32)
+    method = layer.quant_method
+    assert not method.codes_only and method.max_code_rows == 48
+    for rows in (1, 48, 49):
+        x = torch.randn(rows, 160)
+        want = (
+            kernels.cpu_ops().int4_linear(x, *method.codes(layer))
+            if rows <= 48
+            else F.linear(x, layer.dense_weight)
+        )
+        assert torch.equal(layer(x), want), rows
 
 
 @pytest.mark.parametrize("kind", sorted(CODES))
@@ -117,14 +139,15 @@ def test_tied_head_shares_the_embedding_and_holds_its_own_codes(dtype):
     emb_codes = Int8Weight.from_float(torch.randn(100, 64))
     embedding = VocabParallelEmbedding(100, 64, dtype=dtype)
     embedding.weight_loader(embedding.weight, emb_codes.dequantize())
-    config = QuantizationConfig("auto", code_kinds={"lm_head": "int8"})
+    fixed_order = dtype == torch.float32  # the float32 default
+    config = QuantizationConfig("auto", code_kinds={"lm_head": "int8"}, fixed_order=fixed_order)
     head = ParallelLMHead(100, 64, quant_config=config, tied=True, dtype=dtype)
     head.tie_weights(embedding)
     head.weight_loader(head.weight, emb_codes)
     assert torch.equal(head.weight, emb_codes.q)
     both = torch.nn.ModuleList([embedding, head])
     codes_bytes = 100 * 64 + 100 * 2 * 2  # int8, float16 scales
-    if dtype == torch.float32:  # the codes alone, at every row count
+    if fixed_order:  # the codes alone, at every row count
         assert not hasattr(head, "dense_weight")
         x = torch.randn(64, 64)
         assert torch.equal(

@@ -53,6 +53,20 @@ def test_dense_tail_columns_in_order(k):
     assert torch.equal(y[5:6], ops.dense_linear(x[5:6].contiguous(), w, None))
 
 
+@pytest.mark.parametrize("n, k", [(37, 70), (96, 160)])
+def test_bfloat16_weights_give_their_float32_copys_products(n, k):
+    """bfloat16 weights (--deterministic in bfloat16) are widened exactly in the tiles: the same
+    float32 result as the float32 copy, bit for bit, so rows stay independent of the batch."""
+    ops = kernels.cpu_ops()
+    torch.manual_seed(n)
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(max(ROWS), k)
+    want = ops.dense_linear(x, w.float(), bias.float())
+    assert torch.equal(ops.dense_linear(x, w, bias), want)
+    for m in (1, 2, 17):
+        assert torch.equal(ops.dense_linear(x[3 : 3 + m].contiguous(), w, bias), want[3 : 3 + m])
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("n, k", [(37, 64), (130, 96), (960, 576)])
 def test_codes_rows_equal_their_row_alone(kind, n, k):

@@ -63,6 +63,14 @@ KINDS = {
     "packed_bf16": (torch.bfloat16, QuantizationConfig(prepack=True)),
     "int4": (torch.bfloat16, QuantizationConfig("int4")),
     "int8": (torch.float32, QuantizationConfig("int8")),
+    # --deterministic: the fixed-order kernels, bfloat16 widened to float32 around each product
+    "fixed_float32": (torch.float32, QuantizationConfig(fixed_order=True)),
+    "fixed_bf16": (torch.bfloat16, QuantizationConfig(fixed_order=True)),
+    "fixed_dual_int4_bf16": (
+        torch.bfloat16,
+        QuantizationConfig("auto", code_kinds=EveryLayer("int4"), fixed_order=True),
+    ),
+    "fixed_int8_bf16": (torch.bfloat16, QuantizationConfig("int8", fixed_order=True)),
 }
 
 

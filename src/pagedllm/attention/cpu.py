@@ -13,19 +13,14 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.sdpa import paged_attention_sdpa, prefill_sdpa
 from pagedllm.kernels import cpu_ops
 
-# bfloat16 / float16 requests with this many query rows or more (prefill chunks) go to SDPA,
-# whose GEMMs beat the kernel's per-row dot products there; fewer (decode, short chunks) to the
-# kernel. Measured with bf16 and fp32 on this project's 2-core AVX-512 machine
-# (docs/performance.md): with 256 cached tokens the kernel is ahead at 4 rows and behind at 8;
-# with none, ahead up to 32. float32 sends every row through the kernel, whose order of sums
+# Requests with this many query rows or more (prefill chunks) go to SDPA, whose GEMMs beat the
+# kernel's per-row dot products there; fewer (decode, short chunks) to the kernel. Measured with
+# bf16 and fp32 on this project's 2-core AVX-512 machine (docs/performance.md): with 256 cached
+# tokens the kernel is ahead at 4 rows and behind at 8; with none, ahead up to 32.
+# --deterministic sends every row through the kernel (min_sdpa_query_len 0), whose order of sums
 # is fixed by a row's own positions (SDPA's depends on the prompt's length and chunking):
 # docs/determinism.md.
 MIN_SDPA_QUERY_LEN = 8
-
-
-def sdpa_query_len_for(dtype: torch.dtype) -> int:
-    """The query rows from which a request goes to SDPA; 0: none does."""
-    return 0 if dtype == torch.float32 else MIN_SDPA_QUERY_LEN
 
 
 def paged_attention_cpu(
@@ -38,14 +33,12 @@ def paged_attention_cpu(
     logits_soft_cap: float | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
-    min_sdpa_query_len: int | None = None,
+    min_sdpa_query_len: int = MIN_SDPA_QUERY_LEN,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference.
     `key`/`value`: this step's K/V, read directly by fresh prompts (see prefill_sdpa).
-    `min_sdpa_query_len`: 0 sends every request through the kernel; None: the dtype's."""
+    `min_sdpa_query_len`: 0 sends every request through the kernel."""
     ops = cpu_ops()
-    if min_sdpa_query_len is None:
-        min_sdpa_query_len = sdpa_query_len_for(query.dtype)
     head_dim = query.shape[-1]
     if head_dim % ops.vec_size or head_dim > ops.max_head_dim:  # rows must fill whole vectors
         return paged_attention_sdpa(

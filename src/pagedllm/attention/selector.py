@@ -42,6 +42,10 @@ _BACKENDS = {
     "sdpa": AttentionBackend("sdpa", paged_attention_sdpa),
     "cpu": AttentionBackend("cpu", paged_attention_cpu, write_kv_cache_cpu),
 }
+# --deterministic: every request through the kernel, prefill chunks too (attention/cpu.py)
+_CPU_FIXED_ORDER = AttentionBackend(
+    "cpu", functools.partial(paged_attention_cpu, min_sdpa_query_len=0), write_kv_cache_cpu
+)
 _NAMES = [b for b in ATTENTION_BACKENDS if b != "auto"]  # triton: imported when asked for
 
 
@@ -83,10 +87,17 @@ def resolve_backend_name(name: str, device: torch.device | str | None = None) ->
     return key
 
 
-def get_attention_backend(name: str, device: torch.device | str | None = None) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device | str | None = None, deterministic: bool = False
+) -> AttentionBackend:
     """'torch' (the reference oracle), 'sdpa', 'cpu' (the C++ kernel), 'triton' (GPU) or
-    'auto'; checked against `device` when given."""
+    'auto'; checked against `device` when given. `deterministic`: the CPU kernel's batch
+    -invariant form (docs/determinism.md), which only it has."""
     key = resolve_backend_name(name, device)
+    if deterministic:
+        if key != "cpu":
+            raise ValueError(f"--deterministic needs the cpu attention backend, not {key!r}")
+        return _CPU_FIXED_ORDER
     return _triton_backend() if key == "triton" else _BACKENDS[key]
 
 

@@ -27,6 +27,8 @@ class ModelConfig:
     seed: int
     quantization: str  # auto | none | int8 | int4
     enforce_eager: bool
+    # Batch invariant: the CPU kernels' fixed-order products and attention (docs/determinism.md)
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class EngineConfig:
                 args.seed,
                 args.quantization,
                 args.enforce_eager,
+                _deterministic(args.deterministic, dtype, device, args.attention_backend),
             ),  # fmt: skip
             cache=CacheConfig(
                 args.block_size,
@@ -131,6 +134,21 @@ class EngineConfig:
             device=DeviceConfig(device, args.attention_backend),
             load=LoadConfig(args.allow_pickle_checkpoints),
         )
+
+
+def _deterministic(asked: bool | None, dtype: str, device: str, backend: str) -> bool:
+    """--deterministic: asked, or by default where it costs little (float32 on CPU). The
+    batch-invariant kernels are the CPU ones, in float32 and bfloat16."""
+    cpu_kernels = device == "cpu" and backend in ("auto", "cpu")
+    if asked is None:
+        return cpu_kernels and dtype == "float32"
+    if asked and not (cpu_kernels and dtype in ("float32", "bfloat16")):
+        raise ValueError(
+            "--deterministic needs the CPU attention kernels (device cpu, attention backend "
+            f"auto or cpu) and float32 or bfloat16; got device {device}, attention backend "
+            f"{backend}, dtype {dtype}"
+        )
+    return asked
 
 
 def _cache_dtype(asked: str, model_dtype: str) -> str:

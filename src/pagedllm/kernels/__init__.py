@@ -121,7 +121,15 @@ def fused_cpu_ops_apply(x: torch.Tensor) -> bool:
 
 
 def fixed_order(x: torch.Tensor) -> bool:
-    """Whether products with float32 `x` go through the kernels' fixed-order paths, whose
-    result for a row does not depend on the other rows of the step (docs/determinism.md):
-    float32 CPU tensors outside autograd, where the kernels build."""
-    return x.dtype == torch.float32 and fused_cpu_ops_apply(x)
+    """Whether products with `x` can go through the kernels' fixed-order paths, whose result
+    for a row does not depend on the other rows of the step (docs/determinism.md): float32 or
+    bfloat16 CPU tensors outside autograd, where the kernels build."""
+    return x.dtype in (torch.float32, torch.bfloat16) and fused_cpu_ops_apply(x)
+
+
+def in_float32(product, x: torch.Tensor) -> torch.Tensor:
+    """`product` (float32 -> float32) of `x`, in x's dtype: a bfloat16 x is widened (exactly)
+    and the float32 result rounded once, so the order of the sums is the float32 kernel's."""
+    if x.dtype == torch.float32:
+        return product(x)
+    return product(x.float()).to(x.dtype)

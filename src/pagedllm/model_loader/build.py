@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm import kernels
+from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization import (
@@ -64,14 +65,22 @@ def build_model(
     model_cls = get_model_class(loaded.config.architecture)
     codes, packed = loaded.quant_codes.kinds, model_cls.packed_modules_mapping
     tied = loaded.config.tie_word_embeddings
+    deterministic = model_config.deterministic and device.type == "cpu"
+    if deterministic and not kernels.available():
+        logger.warning("--deterministic without pagedllm's C++ kernels: a request's results "
+                       "may depend on the other requests of its steps")  # fmt: skip
+        deterministic = False
     quant_config = QuantizationConfig(
         method,
-        prepack=can_pack(dtype, device),
+        # oneDNN's packed GEMMs block by the number of rows: not batch invariant
+        prepack=can_pack(dtype, device) and not deterministic,
+        fixed_order=deterministic,
         layers_with_codes=layers_with_codes(codes, packed, method, tied),
         code_kinds=code_layer_kinds(codes, packed, tied) if method == "auto" else {},
     )
     with torch.device(device):
-        model = model_cls(loaded.config, attention_backend, dtype, quant_config).eval()
+        backend = get_attention_backend(attention_backend, device, deterministic)
+        model = model_cls(loaded.config, backend, dtype, quant_config).eval()
     try:
         model.load_weights(loaded.weights, loaded.quant_codes)
     except ValueError as e:  # a tensor of the wrong shape, missing or unknown: name the file

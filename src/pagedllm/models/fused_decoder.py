@@ -31,7 +31,8 @@ class NotFusable(Exception):
 
 
 def _float_linear(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype, bias):
-    """A float weight's kernel view: the layer's oneDNN-packed copy, or `weight` itself."""
+    """A float weight's kernel view: the layer's oneDNN-packed copy, or `weight` itself (in the
+    fixed-order kernel with --deterministic: see _linear)."""
     ops, packed = kernels.cpu_ops(), getattr(layer, "packed_weight", None)
     if packed is not None:
         return ops.Linear.packed(packed, bias)
@@ -41,7 +42,15 @@ def _float_linear(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype, bi
 
 
 def _linear(layer: nn.Module, dtype: torch.dtype):
-    """The kernel's view of a linear layer (layers/linear.py), by its quant_method."""
+    """The kernel's view of a linear layer (layers/linear.py), by its quant_method; in fixed
+    order (--deterministic) as the method computes it then."""
+    linear = _by_method(layer, dtype)
+    if getattr(layer.quant_method, "fixed_order", False):
+        return kernels.cpu_ops().Linear.fixed_order(linear)
+    return linear
+
+
+def _by_method(layer: nn.Module, dtype: torch.dtype):
     ops, method = kernels.cpu_ops(), layer.quant_method
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(method, (DualLinearMethod, Int4LinearMethod, Int8LinearMethod)):
@@ -77,14 +86,16 @@ class FusedDecoder:
             attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim, attn.scale,
             model.norm.eps, rotary.cos_f32, rotary.sin_f32, model.norm.weight.detach(),
         )  # fmt: skip
-        quantized = False
+        expands = False  # a quantized projection that expands its weight above MAX_GEMV_ROWS
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             if a.attn.backend.name != "cpu" or a.attn.logits_soft_cap is not None:
                 raise NotFusable(f"attention backend {a.attn.backend.name}")
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            quantized |= any(
-                isinstance(m.quant_method, (Int4LinearMethod, Int8LinearMethod)) for m in linears
+            expands |= any(
+                isinstance(m.quant_method, (Int4LinearMethod, Int8LinearMethod))
+                and not m.quant_method.fixed_order
+                for m in linears
             )
             self.decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
@@ -93,8 +104,8 @@ class FusedDecoder:
                 a.attn.sliding_window or 0,
             )
         # Quantized projections multiply codes directly up to MAX_GEMV_ROWS rows; above, the
-        # modules expand the weights for a float GEMM (float32 multiplies codes at any rows).
-        self.max_tokens = MAX_GEMV_ROWS if quantized and dtype != torch.float32 else None
+        # modules expand the weights for a float GEMM (in fixed order, codes at any rows).
+        self.max_tokens = MAX_GEMV_ROWS if expands else None
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Every request through the attention kernel (decode, short chunks), one KV group."""

@@ -43,12 +43,21 @@ struct Linear {
   std::shared_ptr<const Linear> many_rows;
   int64_t max_code_rows = 0;
 
+  // Batch invariant (--deterministic): float32 products in the fixed-order kernels, a bfloat16 x
+  // widened to float32 before and the result rounded after, as layers/quantization does.
+  bool fixed_order = false;
+
   at::Tensor operator()(const at::Tensor& x) const {
+    if (fixed_order && x.scalar_type() != at::kFloat)
+      return product(x.to(at::kFloat)).to(x.scalar_type());
+    return product(x);
+  }
+
+  at::Tensor product(const at::Tensor& x) const {
     if (many_rows && x.size(0) > max_code_rows) return (*many_rows)(x);
     switch (kind) {
-      case kDense:  // float32: the fixed-order kernel, as the Python layer takes it
-        if (x.scalar_type() == at::kFloat && weights[0].scalar_type() == at::kFloat)
-          return dense_linear(x, weights[0], bias);
+      case kDense:
+        if (fixed_order) return dense_linear(x, weights[0], bias);
         return at::linear(x, weights[0], bias);
       case kPacked: return packed_linear(x, weights[0], bias);
       case kInt4: return with_bias(int4_linear(x, weights[0], weights[1], weights[2]));
@@ -148,6 +157,10 @@ void register_decoder(pybind11::module& m) {
       })
       .def_static("int8", [](at::Tensor q, at::Tensor s, Bias b) {
         return Linear{Linear::kInt8, {q, s}, b};
+      })
+      .def_static("fixed_order", [](Linear linear) {
+        linear.fixed_order = true;
+        return linear;
       })
       .def_static("dual", [](Linear codes, Linear many_rows, int64_t max_code_rows) {
         codes.many_rows = std::make_shared<const Linear>(std::move(many_rows));

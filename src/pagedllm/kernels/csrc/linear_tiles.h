@@ -11,6 +11,11 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -49,18 +54,35 @@ inline float reduce(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
+// V weights as floats. A bfloat16 is a float's top 16 bits, so widening is exact: a bfloat16
+// weight gives the same products as its float32 copy.
+inline Vec load_weights(const float* w) { return Vec::loadu(w); }
+inline Vec load_weights(const c10::BFloat16* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  alignas(64) float wf[V];
+  for (int64_t i = 0; i < V; ++i) wf[i] = static_cast<float>(w[i]);
+  return Vec::loadu(wf);
+#endif
+}
+
 // The K % V tail, then the output: the same for every tile shape.
-template <typename T>
-inline T finish(const Vec& acc, const float* x, const float* w, int64_t k, int64_t K) {
+template <typename T, typename W>
+inline T finish(const Vec& acc, const float* x, const W* w, int64_t k, int64_t K) {
   float sum = reduce(acc);
-  for (; k < K; ++k) sum += w[k] * x[k];
+  for (; k < K; ++k) sum += static_cast<float>(w[k]) * x[k];
   return static_cast<T>(sum);
 }
 
-// R rows of x (float, row stride x_stride) against NT float weight rows (stride w_stride):
-// out[r * out_stride + j].
-template <int R, int NT, typename T>
-inline void dense_tile(const float* x, int64_t x_stride, const float* w, int64_t w_stride,
+// R rows of x (float, row stride x_stride) against NT weight rows (float or bfloat16, stride
+// w_stride): out[r * out_stride + j].
+template <int R, int NT, typename T, typename W>
+inline void dense_tile(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
                        int64_t K, T* out, int64_t out_stride) {
   Vec acc[R][NT];
 #pragma GCC unroll 4
@@ -72,7 +94,7 @@ inline void dense_tile(const float* x, int64_t x_stride, const float* w, int64_t
     // One weight vector live at a time: 12 accumulators leave no room for more.
 #pragma GCC unroll 8
     for (int j = 0; j < NT; ++j) {
-      const Vec wv = Vec::loadu(w + j * w_stride + k);
+      const Vec wv = load_weights(w + j * w_stride + k);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r][j] = at::vec::fmadd(wv, Vec::loadu(x + r * x_stride + k), acc[r][j]);
     }
@@ -82,10 +104,10 @@ inline void dense_tile(const float* x, int64_t x_stride, const float* w, int64_t
       out[r * out_stride + j] = finish<T>(acc[r][j], x + r * x_stride, w + j * w_stride, k, K);
 }
 
-// All M rows of x against NT (<= kWeightRows) weight rows held as floats: kRows rows at a
-// time, then the last one.
-template <int NT, typename T>
-inline void dense_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t w_stride,
+// All M rows of x against NT (<= kWeightRows) weight rows: kRows rows at a time, then the
+// last one.
+template <int NT, typename T, typename W>
+inline void dense_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t w_stride,
                        T* y, int64_t N) {
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) dense_tile<kRows, NT>(x + m * K, K, w, w_stride, K, y + m * N, N);
@@ -93,8 +115,8 @@ inline void dense_rows(const float* x, int64_t M, int64_t K, const float* w, int
 }
 
 // dense_rows for any NT in 1..kWeightRows.
-template <typename T>
-inline void dense_rows_any(int64_t NT, const float* x, int64_t M, int64_t K, const float* w,
+template <typename T, typename W>
+inline void dense_rows_any(int64_t NT, const float* x, int64_t M, int64_t K, const W* w,
                            int64_t w_stride, T* y, int64_t N) {
   static_assert(kWeightRows == 6 && kRows == 2, "dense_rows and dense_rows_any follow the tile");
   switch (NT) {

@@ -27,6 +27,7 @@ class QuantizationConfig:
     layers_with_codes: frozenset[str] = frozenset()
     # auto: the layers the checkpoint has codes for, and their kind (see code_layer_kinds)
     code_kinds: Mapping[str, str] = field(default_factory=dict)
+    fixed_order: bool = False  # batch-invariant products (--deterministic)
 
     def __post_init__(self):
         if self.method not in QUANTIZATION_METHODS:
@@ -45,7 +46,8 @@ class QuantizationConfig:
         quantized = self.method != "none"
         if not quantized or layer.input_size % BLOCK:
             # A quantized model keeps no packed copy of a tied head: saving memory is its point.
-            return UnquantizedLinearMethod(self.prepack and not (quantized and layer.tied))
+            prepack = self.prepack and not (quantized and layer.tied)
+            return UnquantizedLinearMethod(prepack, self.fixed_order)
         start, size = layer.input_start, layer.input_size_per_partition
         if start % BLOCK or size % BLOCK:
             raise ValueError(
@@ -54,7 +56,7 @@ class QuantizationConfig:
                 f"{prefix}, which are not whole groups of {BLOCK}"
             )
         method = Int8LinearMethod if layer.tied else METHODS[self.method]
-        return method(takes_codes=prefix in self.layers_with_codes, tied=layer.tied)
+        return method(prefix in self.layers_with_codes, layer.tied, self.fixed_order)
 
     def _dual_or_float(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         """The checkpoint's codes beside the float weight where it has codes for the layer and
@@ -62,8 +64,8 @@ class QuantizationConfig:
         kind = self.code_kinds.get(prefix)
         start, size = layer.input_start, layer.input_size_per_partition
         if kind is None or start % BLOCK or size % BLOCK:
-            return UnquantizedLinearMethod(self.prepack)
-        codes = METHODS[kind](takes_codes=True, tied=layer.tied)
+            return UnquantizedLinearMethod(self.prepack, self.fixed_order)
+        codes = METHODS[kind](takes_codes=True, tied=layer.tied, fixed_order=self.fixed_order)
         return DualLinearMethod(codes, self.prepack, layer.tied)
 
 

@@ -10,10 +10,11 @@ codes dequantized (then rounded to the dtype); the paths differ in the order of 
 Keeping both costs the codes' bytes on top of the float model's (logged at load;
 `--quantization none` or `int4` keeps one format).
 
-float32 keeps the codes alone: the kernels' fixed-order product multiplies them about as fast
-as the float weights up to 64 rows and at 0.85x at 256 (`cpu_microbench.py --fixed-order`,
-docs/performance.md), and with one path a row's result does not depend on how many rows the
-step has (docs/determinism.md).
+With `fixed_order` (--deterministic, the float32 default) the layer keeps the codes alone: the
+kernels' fixed-order product multiplies them about as fast as the float weights up to 64 rows
+and at 0.85x at 256 in float32 (`cpu_microbench.py --fixed-order`, docs/performance.md), and
+with one path a row's result does not depend on how many rows the step has
+(docs/determinism.md).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from pagedllm.layers.quantization.unquantized import float_bytes_read, float_lin
 
 # Up to this many rows the codes are multiplied; above, the float weight. bfloat16: not measured
 # on a machine with oneDNN's bf16 path yet; from that machine's figures of the codes kernel and
-# of oneDNN's prepacked GEMMs, about 8. float32 has no float copy (`codes_only`).
-MAX_CODE_ROWS = {torch.bfloat16: 8}
+# of oneDNN's prepacked GEMMs, about 8. float32: where MKL on the float copy overtook the codes
+# kernels before they took the fixed order (docs/performance.md).
+MAX_CODE_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 
 
 def max_code_rows(dtype: torch.dtype) -> int:
@@ -38,7 +40,7 @@ def max_code_rows(dtype: torch.dtype) -> int:
 
 class DualLinearMethod(LinearMethodBase):
     """The codes as `codes`'s method holds them (`weight`, `weight_scale`[, `weight_min`]) and,
-    but in float32 (`codes_only`), the float weight as `dense_weight` (a tied LM head's: the
+    but in fixed order (`codes_only`), the float weight as `dense_weight` (a tied LM head's: the
     embedding's own tensor), or after loading, in bfloat16 on CPU, as `packed_weight` for
     oneDNN."""
 
@@ -46,11 +48,12 @@ class DualLinearMethod(LinearMethodBase):
 
     def __init__(self, codes: _BlockQuantMethod, prepack: bool, tied: bool = False):
         self.codes_method, self.prepack, self.tied = codes, prepack, tied
+        # fixed order: the codes alone, at every row count
+        self.fixed_order = self.codes_only = codes.fixed_order
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         self.codes_method.create_weights(layer, dtype)
         self.dtype, self.max_code_rows = dtype, max_code_rows(dtype)
-        self.codes_only = dtype == torch.float32
         if not self.tied and not self.codes_only:
             rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
             layer.register_buffer("dense_weight", torch.empty(rows, cols, dtype=dtype))
@@ -93,10 +96,10 @@ class DualLinearMethod(LinearMethodBase):
         return float_bytes_read(layer, getattr(layer, "dense_weight", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.codes_only:
+            return self.codes_method.apply(layer, x, bias)
         x2d = x.reshape(-1, layer.input_size_per_partition)
-        if self.codes_only or (
-            x2d.shape[0] <= self.max_code_rows and kernels.fused_cpu_ops_apply(x)
-        ):
+        if x2d.shape[0] <= self.max_code_rows and kernels.fused_cpu_ops_apply(x):
             y = getattr(kernels.cpu_ops(), f"int{self.codes_method.bits}_linear")(
                 x2d.contiguous(), *self.codes(layer)
             )

@@ -4,13 +4,13 @@ blocks of 32 input channels (codes.py), and activations stay in the model's floa
 int4: w = q * scale + min, q in 0..15, a float16 scale and min per group of 32 input channels.
 int8: w = q * scale, q in -127..127, a float16 scale per group (ggml's Q8_0).
 
-pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply float32 activations by the
-codes at every row count, in the fixed order of linear_tiles.h (faster than MKL on the
-expanded weight up to 64 rows, 0.7x at 256: `cpu_microbench.py --fixed-order`; and a row's
-result whatever the batch). bfloat16 takes
-them up to MAX_GEMV_ROWS rows (decode: bound by reading the weights); for more (prefill, big
-batches) the layer expands its weight and runs a float GEMM. Without the kernels, the weight
-is expanded by torch on every call (slow, but the same numbers).
+pagedllm's C++ kernels (kernels/csrc/quant_linear.cpp) multiply the activations by the codes up
+to MAX_GEMV_ROWS rows (decode: bound by reading the weights); for more (prefill, big batches)
+the layer expands its weight and runs a float GEMM. With `fixed_order` (--deterministic, the
+float32 default) they take every row count in float32, in the fixed order of linear_tiles.h
+(faster than MKL on the expanded weight up to 64 rows, 0.7x at 256: `cpu_microbench.py
+--fixed-order`), so a row's result does not depend on the batch. Without the kernels, the
+weight is expanded by torch on every call (slow, but the same numbers).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ _QUANTIZE_ROWS = 4096
 _SCRATCH = threading.local()
 
 
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 class _BlockQuantMethod(LinearMethodBase):
     """The layer holds `weight` (the codes, a parameter), `weight_scale` (and for int4
     `weight_min`), float16 buffers [rows, columns / 32], all zeros until loaded: the padding
@@ -50,10 +54,11 @@ class _BlockQuantMethod(LinearMethodBase):
     bits: int
     codes_cls: type[QuantWeight]
 
-    def __init__(self, takes_codes: bool = False, tied: bool = False):
+    def __init__(self, takes_codes: bool = False, tied: bool = False, fixed_order: bool = False):
         """takes_codes: the checkpoint's own codes are loaded as they are. tied: the layer is a
-        tied LM head, whose float weight is the embedding's (no float bytes of its own)."""
-        self.takes_codes, self.tied = takes_codes, tied
+        tied LM head, whose float weight is the embedding's (no float bytes of its own).
+        fixed_order: batch invariant (see the module's docstring)."""
+        self.takes_codes, self.tied, self.fixed_order = takes_codes, tied, fixed_order
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
@@ -95,26 +100,26 @@ class _BlockQuantMethod(LinearMethodBase):
         return 0 if self.tied else numel * self.dtype.itemsize
 
     def bytes_read(self, layer: nn.Module, num_rows: int) -> int:
-        """The codes; above MAX_GEMV_ROWS in bfloat16 also the expanded weight, written then
-        read (float32 multiplies the codes at every row count)."""
+        """The codes; above MAX_GEMV_ROWS also the expanded weight, written then read (but in
+        fixed order, which multiplies the codes at every row count)."""
         numel = layer.output_size_per_partition * layer.input_size_per_partition
-        whole = num_rows > MAX_GEMV_ROWS and self.dtype != torch.float32
+        whole = num_rows > MAX_GEMV_ROWS and not self.fixed_order
         expanded = 2 * numel * self.dtype.itemsize if whole else 0
         return self.nbytes(layer) + expanded
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)
-        if kernels.fixed_order(x) or (
-            x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x)
-        ):
-            y = getattr(kernels.cpu_ops(), f"int{self.bits}_linear")(
-                x2d.contiguous(), *self.codes(layer)
-            )
+        if self.fixed_order and kernels.fixed_order(x):  # the bias added before rounding
+            y = kernels.in_float32(lambda x32: self._codes_product(layer, x32, bias), x2d)
+        elif x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x):
+            y = self._codes_product(layer, x2d, bias)
         else:
-            y = F.linear(x2d, self.weight_as(layer, x.dtype))
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = _with_bias(F.linear(x2d, self.weight_as(layer, x.dtype)), bias)
         return y.view(*x.shape[:-1], layer.output_size_per_partition)
+
+    def _codes_product(self, layer: nn.Module, x2d: torch.Tensor, bias) -> torch.Tensor:
+        kernel = getattr(kernels.cpu_ops(), f"int{self.bits}_linear")
+        return _with_bias(kernel(x2d.contiguous(), *self.codes(layer)), bias)
 
     def weight_as(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [N, K] in `dtype`. With the kernels it is expanded into a scratch

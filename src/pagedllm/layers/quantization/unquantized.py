@@ -29,14 +29,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
-def float_linear(x: torch.Tensor, layer: nn.Module, weight: torch.Tensor | None, bias):
-    """x times a float weight: the layer's oneDNN-packed copy when it has one; float32 on CPU
-    through the kernels' fixed-order product (a row's result whatever the batch); else
-    F.linear."""
+def float_linear(
+    x: torch.Tensor, layer: nn.Module, weight: torch.Tensor | None, bias, fixed_order: bool = False
+):
+    """x times a float weight: the layer's oneDNN-packed copy when it has one; with
+    `fixed_order` (--deterministic) on CPU, the kernels' fixed-order product in float32 (a row's
+    result whatever the batch); else F.linear."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
-        if weight.dtype == torch.float32 and kernels.fixed_order(x):
-            return kernels.cpu_ops().dense_linear(x.contiguous(), weight, bias)
+        if fixed_order and kernels.fixed_order(x) and weight.dtype == x.dtype:
+            dense = kernels.cpu_ops().dense_linear
+            return kernels.in_float32(lambda x32: dense(x32.contiguous(), weight, bias), x)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
@@ -55,10 +58,11 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    def __init__(self, prepack: bool = False):
+    def __init__(self, prepack: bool = False, fixed_order: bool = False):
         """prepack: replace the weight by a oneDNN-packed copy after loading (bfloat16 on CPU);
-        a weight another module shares (a tied LM head's) stays there, the copy is the head's."""
-        self.prepack = prepack
+        a weight another module shares (a tied LM head's) stays there, the copy is the head's.
+        fixed_order: batch invariant (float_linear)."""
+        self.prepack, self.fixed_order = prepack, fixed_order
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
@@ -79,4 +83,4 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return float_bytes_read(layer, getattr(layer, "weight", None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return float_linear(x, layer, getattr(layer, "weight", None), bias)
+        return float_linear(x, layer, getattr(layer, "weight", None), bias, self.fixed_order)
