@@ -241,7 +241,7 @@ def test_backend_selection():
     # --deterministic: every request through the kernel, which alone has the fixed order
     fixed = get_attention_backend("auto", deterministic=True)
     assert fixed.name == "cpu" and fixed.forward.keywords == {"min_sdpa_query_len": 0}
-    with pytest.raises(ValueError, match="needs the cpu attention backend"):
+    with pytest.raises(ValueError, match="needs the cpu or triton attention backend"):
         get_attention_backend("sdpa", deterministic=True)
     with pytest.raises(ValueError, match="auto, cpu, sdpa, torch, triton"):
         get_attention_backend("flash")
@@ -359,10 +359,11 @@ def test_cpu_cache_write_refuses_a_slot_outside_the_pool():
     assert not k_cache.any()
 
 
-def _attend_paged(q, k, v, block_size, others=(), seed=0, **kwargs):
-    """The CPU kernel's output for one request whose context is k/v [S, kv_heads, d] and whose
-    queries q [Q, heads, d] are its last Q positions, its blocks shuffled in a pool of
-    `block_size`-token blocks, after the requests `others` [(context, q_len)] in the batch."""
+def _attend_paged(q, k, v, block_size, others=(), seed=0, attend=None, **kwargs):
+    """The CPU kernel's output (or `attend`'s, a backend's forward) for one request whose
+    context is k/v [S, kv_heads, d] and whose queries q [Q, heads, d] are its last Q positions,
+    its blocks shuffled in a pool of `block_size`-token blocks, after the requests `others`
+    [(context, q_len)] in the batch."""
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, d = q.shape[1], k.shape[1], k.shape[2]
     reqs = [*others, (k.shape[0] - q.shape[0], q.shape[0])]
@@ -386,8 +387,9 @@ def _attend_paged(q, k, v, block_size, others=(), seed=0, **kwargs):
             v_cache[tables[i, p // block_size], p % block_size] = vv[p]
     meta = AttentionMetadata.build(block_size, [0] * sum(n for _, n in reqs), tables,
                                    [n for _, n in reqs], lens)  # fmt: skip
-    out = paged_attention_cpu(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, **kwargs,
-                              min_sdpa_query_len=0)  # fmt: skip
+    if attend is None:
+        attend = functools.partial(paged_attention_cpu, min_sdpa_query_len=0)
+    out = attend(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, **kwargs)
     return out[-q.shape[0] :]
 
 

@@ -8,6 +8,8 @@ small: the interpreter runs every program of a launch one after another.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,7 +21,12 @@ from pagedllm.attention.triton_attention import (
     paged_attention_triton,
     write_kv_cache_triton,
 )
-from tests.attention.test_paged_attention import build_batch, dense_causal_attention, scenario
+from tests.attention.test_paged_attention import (
+    _attend_paged,
+    build_batch,
+    dense_causal_attention,
+    scenario,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (num_heads, num_kv_heads): GQA ratios 1, 3 and 8
@@ -145,9 +152,36 @@ def test_copy_blocks_within_a_pool_and_through_staging(block_size):
     assert not restored[:, :, untouched.to(DEVICE)].any()
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"sliding_window": 9}])
+def test_deterministic_row_is_the_same_whatever_the_step(kwargs):
+    """deterministic: a query row's output is bit for bit the same in its prompt's prefill, in
+    a chunk, as a decode step alone, beside a long request (which splits decode steps across
+    programs otherwise) and with blocks of 1, 16 or 32 tokens (docs/determinism.md)."""
+    if DEVICE != "cpu":
+        pytest.skip("the shared helper builds CPU tensors")
+    context, q_len = 70, 9
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(q_len, 6, 64, generator=g)
+    k, v = (torch.randn(context + q_len, 2, 64, generator=g) for _ in range(2))
+    attend = functools.partial(paged_attention_triton, partition_size=16, deterministic=True)
+    prefill = _attend_paged(q, k, v, 16, attend=attend, **kwargs)  # the whole prompt at once
+    dense = dense_causal_attention(q, k, v, 64**-0.5, kwargs.get("sliding_window")).float()
+    torch.testing.assert_close(prefill, dense, atol=1e-5, rtol=0)
+    for r in (0, q_len - 1):
+        p = context + r + 1
+        for block_size, others in [(16, ()), (1, ()), (32, ((150, 1), (40, 5)))]:
+            alone = _attend_paged(q[r : r + 1], k[:p], v[:p], block_size, others, seed=r,
+                                  attend=attend, **kwargs)  # fmt: skip
+            assert torch.equal(alone[0], prefill[r]), (r, block_size, others)
+        chunk = _attend_paged(q[r:], k, v, 16, ((150, 1),), attend=attend, **kwargs)
+        assert torch.equal(chunk[0], prefill[r]), r
+
+
 def test_backend_selection(monkeypatch):
     backend = get_attention_backend("triton", DEVICE)
     assert backend.forward is paged_attention_triton
+    fixed = get_attention_backend("triton", DEVICE, deterministic=True)
+    assert fixed.forward.keywords == {"deterministic": True}
     assert backend.write_kv_cache is write_kv_cache_triton
     assert backend.copy_blocks is copy_blocks_triton
     assert resolve_backend_name("auto", "cuda") == "triton"  # the default on a GPU

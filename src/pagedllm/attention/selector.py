@@ -91,23 +91,24 @@ def get_attention_backend(
     name: str, device: torch.device | str | None = None, deterministic: bool = False
 ) -> AttentionBackend:
     """'torch' (the reference oracle), 'sdpa', 'cpu' (the C++ kernel), 'triton' (GPU) or
-    'auto'; checked against `device` when given. `deterministic`: the CPU kernel's batch
-    -invariant form (docs/determinism.md), which only it has."""
+    'auto'; checked against `device` when given. `deterministic`: the batch-invariant form of
+    the CPU kernel or of Triton's (docs/determinism.md), which only they have."""
     key = resolve_backend_name(name, device)
-    if deterministic:
-        if key != "cpu":
-            raise ValueError(f"--deterministic needs the cpu attention backend, not {key!r}")
-        return _CPU_FIXED_ORDER
-    return _triton_backend() if key == "triton" else _BACKENDS[key]
+    if deterministic and key not in ("cpu", "triton"):
+        raise ValueError(f"--deterministic needs the cpu or triton attention backend, not {key!r}")
+    if key == "triton":
+        return _triton_backend(deterministic)
+    return _CPU_FIXED_ORDER if deterministic else _BACKENDS[key]
 
 
 @functools.cache
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(deterministic: bool = False) -> AttentionBackend:
     from pagedllm.attention import triton_attention as t
 
-    return AttentionBackend(
-        "triton", t.paged_attention_triton, t.write_kv_cache_triton, t.copy_blocks_triton
-    )
+    forward = t.paged_attention_triton
+    if deterministic:
+        forward = functools.partial(forward, deterministic=True)
+    return AttentionBackend("triton", forward, t.write_kv_cache_triton, t.copy_blocks_triton)
 
 
 def _has_triton() -> bool:

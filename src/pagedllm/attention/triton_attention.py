@@ -5,6 +5,11 @@ Per step the host plans query tiles once (shared by every layer); per layer one 
 the new K/V through the slot mapping and one attends over the paged context. Decode steps with
 long contexts split each context across programs and reduce the partial softmaxes in a second
 launch, so a few long requests still fill the GPU.
+
+`deterministic` (batch invariance, docs/determinism.md): tiles of DECODE_ROWS query rows in
+every step and no splits, so a row's reduction is over its context's BLOCK_N-position tiles in
+order whatever the step: how many rows it has, how the prompt was chunked, the longest context
+beside it. The cost is decode's split-K: a few long requests use fewer programs.
 """
 
 from __future__ import annotations
@@ -73,10 +78,12 @@ def paged_attention_triton(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     partition_size: int = PARTITION_SIZE,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference; all K/V
     are read from the caches (`key`/`value` are not needed). `partition_size`: context tokens
-    per split of a decode step (tests make it small to cross split boundaries)."""
+    per split of a decode step (tests make it small to cross split boundaries).
+    `deterministic`: a row's result whatever the step (see the module's docstring)."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
@@ -88,12 +95,12 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    decode = meta.max_query_len == 1
+    decode = meta.max_query_len == 1 or deterministic
     block_q = max(1, (DECODE_ROWS if decode else PREFILL_ROWS) // group_pad)
     tile_req, tile_start = _query_tiles(meta, block_q, query.device)
 
     num_splits = 1
-    if decode:  # prompts' tiles are many already; decode has one per request
+    if decode and not deterministic:  # prompts' tiles are many already; decode has one each
         longest = min(meta.max_seq_len, sliding_window or meta.max_seq_len)
         num_splits = min(MAX_SPLITS, triton.next_power_of_2(-(-longest // partition_size)))
     split_acc = split_ml = out  # unused unless split

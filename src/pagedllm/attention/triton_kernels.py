@@ -153,11 +153,14 @@ def paged_attention_kernel(
     )
 
     # The context this tile reads: up to its last row's position, from the first position its
-    # first row's window sees (earlier blocks of a sliding layer may be released).
+    # first row's window sees (earlier blocks of a sliding layer may be released: not loaded).
+    # Tiles of BLOCK_N start at multiples of BLOCK_N, so without splits a row's sums go in one
+    # order whatever tile or batch it is in (positions it cannot see add exact zeros).
     ctx_end = tl.minimum(num_cached + tile_start + BLOCK_Q, seq_len)
-    ctx_begin = 0
+    first_loaded = 0
     if USE_WINDOW:
-        ctx_begin = tl.maximum(num_cached + tile_start - sliding_window + 1, 0)
+        first_loaded = tl.maximum(num_cached + tile_start - sliding_window + 1, 0)
+    ctx_begin = first_loaded // BLOCK_N * BLOCK_N
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(tl.cdiv(ctx_end - ctx_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
         ctx_begin = ctx_begin + split * per_split
@@ -172,7 +175,7 @@ def paged_attention_kernel(
     table = block_tables_ptr + req.to(tl.int64) * block_table_stride
     for start in tl.range(ctx_begin, ctx_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_valid = pos < ctx_end
+        pos_valid = (pos >= first_loaded) & (pos < ctx_end)
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         slot = (
             block * cache_stride_block
