@@ -126,12 +126,13 @@ class EngineArgs:
         "torch.load(weights_only=True) (refused by default: a pickle can carry code)",
         action="store_true",
     )
-    # None: on where it is measured to cost little (float32 on CPU: docs/determinism.md)
+    # None: on where it is measured to cost little (docs/determinism.md)
     deterministic: bool | None = _flag(
         None,
         "batch-invariant inference: a request's tokens and logprobs do not depend on what else "
         "runs (the CPU kernels' fixed-order products and attention). Default: on in float32 on "
-        "CPU; bfloat16 takes it when asked (not yet measured where bfloat16 is the default)",
+        "CPU and in bfloat16 on CPUs without bf16 instructions; off where bfloat16 is native "
+        "(not measured there yet)",
         action=argparse.BooleanOptionalAction,
         short="--enable-deterministic-inference",
     )

@@ -82,10 +82,17 @@ class EngineConfig:
 
     @classmethod
     def resolve(
-        cls, args: EngineArgs, arch: ModelArchConfig, name: str, device: str, auto_dtype: str
+        cls,
+        args: EngineArgs,
+        arch: ModelArchConfig,
+        name: str,
+        device: str,
+        auto_dtype: str,
+        native_bf16: bool = True,
     ) -> EngineConfig:
         """`args` (validated here) for a model of architecture `arch` called `name`, on
-        `device` ("cpu" or "cuda"), where --dtype auto means `auto_dtype`."""
+        `device` ("cpu" or "cuda"), where --dtype auto means `auto_dtype`; `native_bf16`:
+        whether the CPU has bf16 instructions."""
         args.validate()
         max_model_len = _max_model_len(args.max_model_len, arch.max_position_embeddings)
         budget = args.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
@@ -111,7 +118,9 @@ class EngineConfig:
                 args.seed,
                 args.quantization,
                 args.enforce_eager,
-                _deterministic(args.deterministic, dtype, device, args.attention_backend),
+                _deterministic(
+                    args.deterministic, dtype, device, args.attention_backend, native_bf16
+                ),
             ),  # fmt: skip
             cache=CacheConfig(
                 args.block_size,
@@ -136,12 +145,17 @@ class EngineConfig:
         )
 
 
-def _deterministic(asked: bool | None, dtype: str, device: str, backend: str) -> bool:
-    """--deterministic: asked, or by default where it costs little (float32 on CPU). The
-    batch-invariant kernels are the CPU ones, in float32 and bfloat16."""
+def _deterministic(
+    asked: bool | None, dtype: str, device: str, backend: str, native_bf16: bool
+) -> bool:
+    """--deterministic: asked, or by default where it was measured to cost little: float32 on
+    CPU, and bfloat16 on CPUs without bf16 instructions (there the fast path's GEMMs are
+    emulated: the fixed-order kernels are faster, docs/determinism.md). The batch-invariant
+    kernels are the CPU ones, in float32 and bfloat16."""
     cpu_kernels = device == "cpu" and backend in ("auto", "cpu")
     if asked is None:
-        return cpu_kernels and dtype == "float32"
+        emulated_bf16 = dtype == "bfloat16" and not native_bf16
+        return cpu_kernels and (dtype == "float32" or emulated_bf16)
     if asked and not (cpu_kernels and dtype in ("float32", "bfloat16")):
         raise ValueError(
             "--deterministic needs the CPU attention kernels (device cpu, attention backend "

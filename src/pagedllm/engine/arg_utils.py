@@ -33,4 +33,4 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     arch, name = load_model_config(args.model)
     device = resolve_device(args.device)
     dtype = str(auto_dtype(device)).removeprefix("torch.")
-    return EngineConfig.resolve(args, arch, name, device.type, dtype)
+    return EngineConfig.resolve(args, arch, name, device.type, dtype, has_native_bf16())
