@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <ATen/cpu/vec/functional.h>  // load_to_float (vec.h alone lacks it on AVX-512)
 #include <ATen/cpu/vec/vec.h>
 
 #if defined(__AVX2__)
