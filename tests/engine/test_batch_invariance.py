@@ -30,6 +30,8 @@ def tiny(request, tmp_path_factory):
 def make_llm(tiny, **kwargs):
     path, dtype = tiny
     kwargs.setdefault("max_model_len", 256)
+    # A small pool: 4 GiB of this model's blocks would be millions of blocks to set up.
+    kwargs.setdefault("kv_cache_memory", "64MiB")
     if dtype != "float32":
         kwargs["deterministic"] = True
     return LLM(model=path, dtype=dtype, **kwargs)
@@ -98,7 +100,10 @@ def test_seeded_sampling_same_alone_and_batched(tiny):
 
 @pytest.mark.slow
 def test_default_model_same_alone_batched_and_cached():
-    llm = LLM(kv_cache_memory="256MiB", max_model_len=512, enable_prefix_caching=True)
+    # deterministic=True: the default where bfloat16 is emulated, opt-in where it is native.
+    llm = LLM(
+        kv_cache_memory="256MiB", max_model_len=512, enable_prefix_caching=True, deterministic=True
+    )
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     first = run(llm, params)
     assert run(llm, params, OTHERS[:7]) == first  # beside others, and a prefix-cache hit

@@ -88,3 +88,23 @@ def test_bfloat16_rows_widened_take_the_same_order():
     y = linear(x)
     for i in (0, 8, 16):
         assert torch.equal(y[i : i + 1], linear(x[i : i + 1].contiguous()))
+
+
+@pytest.mark.skipif(
+    not kernels.available() or not kernels.cpu_ops().int4_takes_bf16(64),
+    reason="needs AVX512-BF16 (int4 codes take bfloat16 rows as they are only there)",
+)
+@pytest.mark.parametrize("n, k", [(37, 64), (130, 192), (960, 576), (576, 1536)])
+def test_bfloat16_rows_against_int4_codes_equal_their_row_alone(n, k):
+    """AVX512-BF16's dot products (--deterministic in bfloat16 on such a CPU): a row's result
+    is the same bit for bit through the register path (a few rows) and the unpacked panels
+    (16 rows or more), at every place of the batch, and close to the float32 product."""
+    linear, dense = quantized("int4", n, k, seed=n + k)
+    x = torch.randn(max(ROWS), k).bfloat16()
+    alone = torch.cat([linear(x[i : i + 1].contiguous()) for i in range(len(x))])
+    exact = x.float() @ dense.T
+    torch.testing.assert_close(alone.float(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+    for m in (*ROWS, 3, 4, 5):
+        for start in (0, max(ROWS) - m):
+            y = linear(x[start : start + m].contiguous())
+            assert torch.equal(y, alone[start : start + m]), (m, start)

@@ -44,11 +44,13 @@ struct Linear {
   int64_t max_code_rows = 0;
 
   // Batch invariant (--deterministic): float32 products in the fixed-order kernels, a bfloat16 x
-  // widened to float32 before and the result rounded after, as layers/quantization does.
+  // widened to float32 before and the result rounded after, as layers/quantization does; but
+  // int4 codes take bfloat16 x as it is where int4_takes_bf16 (invariant in its own order).
   bool fixed_order = false;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (fixed_order && x.scalar_type() != at::kFloat)
+    const bool bf16_codes = kind == kInt4 && x.scalar_type() == at::kBFloat16 && int4_takes_bf16(x.size(1));
+    if (fixed_order && x.scalar_type() != at::kFloat && !bf16_codes)
       return product(x.to(at::kFloat)).to(x.scalar_type());
     return product(x);
   }

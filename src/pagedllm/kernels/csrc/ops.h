@@ -31,6 +31,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
+bool int4_takes_bf16(int64_t K);  // bfloat16 x of K columns: bf16 dot products, not float32
 void int4_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);
 void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales);

@@ -8,8 +8,9 @@
 // `*_dequantize` writes (w = q * scale + min, one rounding), int4's in the lane order of
 // lane_weight, and is multiplied as a float weight would be, so a row's result does not depend
 // on the rows beside it. A few rows expand the codes in registers; more expand kWeightRows rows
-// at a time into a buffer that every row tile then reads. bfloat16 rows on AVX512-BF16 take
-// the bf16 dot-product path instead (faster; not checked for batch invariance).
+// at a time into a buffer that every row tile then reads. bfloat16 rows against int4 codes on
+// AVX512-BF16 take the bf16 dot-product path instead (int4_takes_bf16), which is batch
+// invariant in its own order: every output takes the same operations at every row count.
 //
 // Layout (per output row n, groups g of group_size = K / G input channels, a multiple of 32):
 //   int4: qweight uint8 [N, K / 2]; in each 32-weight block, byte i holds weight i in its low
@@ -234,47 +235,116 @@ inline void expand_rows(const uint8_t* q, int64_t row_bytes, const float* scale,
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_BF16_DOT 1
-// R rows of bfloat16 activations against NT rows of int4 codes with AVX512-BF16 dot products
-// (decode), two blocks at a time. A code q becomes the bfloat16 number 128 + q by OR-ing it
-// into the mantissa of 128 (no conversion instruction); the 128 * sum(x) that adds per block is
-// taken back through the min term (`mn` holds min - 128 * scale). x_perm orders each pair of
-// blocks (A, B) of a row as A0-15 B0-15 A16-31 B16-31, the order the codes unpack in, so the
-// dot product's lanes 0-7 sum block A and lanes 8-15 block B. y[r * y_stride + j].
+// bfloat16 activations against int4 codes with AVX512-BF16 dot products, two blocks at a time.
+// A code q becomes the bfloat16 number 128 + q by OR-ing it into the mantissa of 128 (exact, no
+// conversion instruction); the 128 * sum(x) that adds per block is taken back through the min
+// term (`mn` holds min - 128 * scale). x_perm orders each pair of blocks (A, B) of a row as
+// A0-15 B0-15 A16-31 B16-31, the order the codes unpack in, so the dot product's lanes 0-7 sum
+// block A and lanes 8-15 block B. Every output takes the same operations whichever kernel
+// below computes it (pair_step over the pairs in order, then finish), so a row's result does
+// not depend on the rows beside it or on how many there are.
+
+// A pair of blocks' codes (32 bytes) as bfloat16 128 + q: lo = the low nibbles, hi = the high.
+inline void unpack_pair(const uint8_t* codes, __m512bh& lo, __m512bh& hi) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  lo = (__m512bh)_mm512_ternarylogic_epi32(v, low_nibble, bf16_128, 0xEA);
+  hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bf16_128);
+}
+
+// Block A's scale in lanes 0-7, block B's in 8-15.
+inline __m512 pair_scale(const float* scale, int64_t ga, int64_t gb) {
+  return _mm512_insertf32x8(_mm512_set1_ps(scale[ga]), _mm256_set1_ps(scale[gb]), 1);
+}
+
+inline __m512 pair_step(__m512 acc, __m512bh lo, __m512bh hi, __m512 s, const at::BFloat16* x) {
+  const auto x0 = (__m512bh)_mm512_loadu_si512(x), x1 = (__m512bh)_mm512_loadu_si512(x + kBlock);
+  const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, x0), hi, x1);
+  return _mm512_fmadd_ps(d, s, acc);
+}
+
+inline float finish(__m512 acc, const float* mn, const float* xsum, int64_t G) {
+  return _mm512_reduce_add_ps(acc) + dot(mn, xsum, G);
+}
+
+// R rows of x_perm against NT rows of codes (q + j * row_bytes) unpacked in registers
+// (decode): y[r * y_stride + j].
 template <int R, int NT, typename T>
 inline void int4_rows_bf16(const at::BFloat16* x_perm, const float* xsum, int64_t K, int64_t G,
                            const uint8_t* q, int64_t row_bytes, const float* scale,
                            const float* mn, T* y, int64_t y_stride) {
   const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
-  const __m512i low_nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
   __m512 acc[NT][R];
   for (int j = 0; j < NT; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 2) {
-    __m512bh x0[R], x1[R];
-    for (int r = 0; r < R; ++r) {
-      x0[r] = (__m512bh)_mm512_loadu_si512(x_perm + r * K + b * kBlock);
-      x1[r] = (__m512bh)_mm512_loadu_si512(x_perm + r * K + b * kBlock + kBlock);
-    }
     const int64_t ga = b / blocks_per_group, gb = (b + 1) / blocks_per_group;
     for (int j = 0; j < NT; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * row_bytes + b * 16)));
-      const auto lo = (__m512bh)_mm512_ternarylogic_epi32(v, low_nibble, bf16_128, 0xEA);
-      const auto hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bf16_128);
-      const float* sj = scale + j * G;
-      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sj[ga]), _mm256_set1_ps(sj[gb]), 1);
-      for (int r = 0; r < R; ++r) {
-        const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, x0[r]), hi, x1[r]);
-        acc[j][r] = _mm512_fmadd_ps(d, s, acc[j][r]);
+      __m512bh lo, hi;
+      unpack_pair(q + j * row_bytes + b * 16, lo, hi);
+      const __m512 s = pair_scale(scale + j * G, ga, gb);
+      for (int r = 0; r < R; ++r) acc[j][r] = pair_step(acc[j][r], lo, hi, s, x_perm + r * K + b * kBlock);
+    }
+  }
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r)
+      y[r * y_stride + j] = static_cast<T>(finish(acc[j][r], mn + j * G, xsum + r * G, G));
+}
+
+// Weight rows' codes unpacked once for many rows of x (prefill, big batches): per weight row
+// and pair of blocks, lo, hi and the pair's scale as three vectors, read by every tile of rows.
+struct UnpackedPanel {
+  explicit UnpackedPanel(int64_t max_rows, int64_t K) : pairs(K / kBlock / 2), buf(max_rows * pairs * 48) {}
+  void fill(const uint8_t* q, int64_t row_bytes, const float* scale, int64_t rows, int64_t K,
+            int64_t G) {
+    const int64_t blocks_per_group = K / kBlock / G;
+    float* out = buf.data();
+    for (int64_t j = 0; j < rows; ++j) {
+      for (int64_t p = 0; p < pairs; ++p, out += 48) {
+        __m512bh lo, hi;
+        unpack_pair(q + j * row_bytes + p * 32, lo, hi);
+        _mm512_store_ps(out, (__m512)lo);
+        _mm512_store_ps(out + 16, (__m512)hi);
+        const float* sj = scale + j * G;
+        _mm512_store_ps(out + 32, pair_scale(sj, 2 * p / blocks_per_group, (2 * p + 1) / blocks_per_group));
       }
     }
   }
-  for (int j = 0; j < NT; ++j) {
+  const float* row(int64_t j) { return buf.data() + j * pairs * 48; }
+  int64_t pairs;
+  tiles::AlignedFloats buf;  // [rows][pairs][lo, hi, scale: 16 floats each]
+};
+
+// R rows of x_perm against NT unpacked weight rows w[j] (pair_step's operations per output).
+template <int R, int NT, typename T>
+inline void int4_panel_bf16(const at::BFloat16* x_perm, const float* xsum, int64_t K, int64_t G,
+                            const float* const* w, int64_t pairs, const float* mn, T* y,
+                            int64_t y_stride) {
+  __m512 acc[NT][R];
+#pragma GCC unroll 8
+  for (int j = 0; j < NT; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float sum = _mm512_reduce_add_ps(acc[j][r]) + dot(mn + j * G, xsum + r * G, G);
-      y[r * y_stride + j] = static_cast<T>(sum);
+      const at::BFloat16* xr = x_perm + r * K + p * 2 * kBlock;
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) {
+        const float* wj = w[j] + p * 48;
+        acc[j][r] = pair_step(acc[j][r], (__m512bh)_mm512_load_ps(wj), (__m512bh)_mm512_load_ps(wj + 16),
+                              _mm512_load_ps(wj + 32), xr);
+      }
     }
   }
+  float sums[NT][R];
+#pragma GCC unroll 8
+  for (int j = 0; j < NT; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r)
+      y[r * y_stride + j] = static_cast<T>(sums[j][r] + dot(mn + j * G, xsum + r * G, G));
 }
 #endif
 
@@ -318,7 +388,52 @@ inline const uint8_t* load_tile(const uint8_t* qp, const at::Half* sp, const at:
 }
 
 #ifdef PAGEDLLM_BF16_DOT
-// bfloat16 x [M, K] (K whole pairs of blocks) against int4 codes with int4_rows_bf16.
+// From this many rows of x the codes are unpacked once per panel of kPanelRows weight rows.
+constexpr int64_t kPanelMinRows = 16;
+constexpr int64_t kPanelRows = 16;
+constexpr int kPanelTileRows = 4, kPanelTileN = 4;  // x rows by weight rows in registers
+
+// R = kPanelTileRows rows of x at a time (fewer at the end) against NT weight rows of a panel.
+template <int NT, typename T>
+inline void panel_rows(const at::BFloat16* xq, const float* xs, int64_t M, int64_t K, int64_t G,
+                       const float* const* w, int64_t pairs, const float* mf, T* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + kPanelTileRows <= M; m += kPanelTileRows)
+    int4_panel_bf16<kPanelTileRows, NT>(xq + m * K, xs + m * G, K, G, w, pairs, mf, y + m * N, N);
+  for (; m < M; ++m) int4_panel_bf16<1, NT>(xq + m * K, xs + m * G, K, G, w, pairs, mf, y + m * N, N);
+}
+
+// x_perm [M, K] against all N weight rows, a panel at a time per thread.
+template <typename T>
+void int4_panels_bf16(T* yp, const at::BFloat16* xq, const float* xs, const uint8_t* qp,
+                      const at::Half* sp, const at::Half* mp, int64_t row_bytes, int64_t M,
+                      int64_t K, int64_t N, int64_t G) {
+  at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> sm(2 * kPanelRows * G);
+    float *sf = sm.data(), *mf = sf + kPanelRows * G;
+    UnpackedPanel panel(kPanelRows, K);
+    const int64_t end = std::min(N, last * kPanelRows);
+    for (int64_t n = first * kPanelRows; n < end; n += kPanelRows) {
+      const int64_t rows = std::min(kPanelRows, end - n);
+      const uint8_t* qn = load_tile(qp, sp, mp, row_bytes, G, n, rows, end, sf, mf);
+      for (int64_t i = 0; i < rows * G; ++i) mf[i] -= 128.f * sf[i];
+      panel.fill(qn, row_bytes, sf, rows, K, G);
+      int64_t j = 0;
+      for (; j + kPanelTileN <= rows; j += kPanelTileN) {
+        const float* w[kPanelTileN];
+        for (int t = 0; t < kPanelTileN; ++t) w[t] = panel.row(j + t);
+        panel_rows<kPanelTileN>(xq, xs, M, K, G, w, panel.pairs, mf + j * G, yp + n + j, N);
+      }
+      for (; j < rows; ++j) {
+        const float* w[1] = {panel.row(j)};
+        panel_rows<1>(xq, xs, M, K, G, w, panel.pairs, mf + j * G, yp + n + j, N);
+      }
+    }
+  });
+}
+
+// bfloat16 x [M, K] (K whole pairs of blocks) against int4 codes with int4_rows_bf16, or for
+// many rows the panels.
 template <typename T>
 void int4_linear_bf16(T* yp, const at::Tensor& x, const uint8_t* qp, const at::Half* sp,
                       const at::Half* mp, int64_t row_bytes, int64_t M, int64_t K, int64_t N,
@@ -340,6 +455,7 @@ void int4_linear_bf16(T* yp, const at::Tensor& x, const uint8_t* qp, const at::H
       x_perm[b + 48 + i] = src[b + kBlock + 16 + i];  // B 16-31
     }
   }
+  if (M >= kPanelMinRows) return int4_panels_bf16(yp, x_perm.data(), xsum.data(), qp, sp, mp, row_bytes, M, K, N, G);
   constexpr int kRowsN = 4;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sm(2 * kRowsN * G);
@@ -402,7 +518,7 @@ void quant_linear_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& q
   const int64_t row_bytes = qweight.size(1);
 #ifdef PAGEDLLM_BF16_DOT
   if constexpr (kInt4 && std::is_same_v<T, at::BFloat16>) {
-    if ((K / kBlock) % 2 == 0) return int4_linear_bf16(yp, x, qp, sp, mp, row_bytes, M, K, N, G);
+    if (int4_takes_bf16(K)) return int4_linear_bf16(yp, x, qp, sp, mp, row_bytes, M, K, N, G);
   }
 #endif
   // x as float32 once, in the codes' lane order.
@@ -473,6 +589,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 }  // namespace
+
+bool int4_takes_bf16(int64_t K) {
+#ifdef PAGEDLLM_BF16_DOT
+  return (K / kBlock) % 2 == 0;  // whole pairs of blocks
+#else
+  return K < 0;  // never
+#endif
+}
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins) {
@@ -557,6 +681,9 @@ void register_quant_linear(pybind11::module& m) {
   m.def("int8_linear", &pagedllm::int8_linear, no_gil,
         "x [M, K] @ int8 weight.T -> [M, N] in x's dtype: (x, qweight int8 [N, K], scales "
         "float16 [N, G])");
+  m.def("int4_takes_bf16", &pagedllm::int4_takes_bf16,
+        "(K): whether int4_linear multiplies bfloat16 x of K columns with bf16 dot products "
+        "(AVX512-BF16) rather than in float32");
   m.def("int4_dequantize", &pagedllm::int4_dequantize, no_gil, "(out [N, K], qweight, scales, mins): the weight");
   m.def("int8_dequantize", &pagedllm::int8_dequantize, no_gil, "(out [N, K], qweight, scales): the weight");
 }

@@ -9,8 +9,10 @@ to MAX_GEMV_ROWS rows (decode: bound by reading the weights); for more (prefill,
 the layer expands its weight and runs a float GEMM. With `fixed_order` (--deterministic, the
 float32 default) they take every row count in float32, in the fixed order of linear_tiles.h
 (faster than MKL on the expanded weight up to 64 rows, 0.7x at 256: `cpu_microbench.py
---fixed-order`), so a row's result does not depend on the batch. Without the kernels, the
-weight is expanded by torch on every call (slow, but the same numbers).
+--fixed-order`), so a row's result does not depend on the batch; bfloat16 x against int4 codes
+on a CPU with AVX512-BF16 takes the kernel's bf16 dot products at every row count instead
+(their own fixed order, faster). Without the kernels, the weight is expanded by torch on every
+call (slow, but the same numbers).
 """
 
 from __future__ import annotations
@@ -109,13 +111,25 @@ class _BlockQuantMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, layer.input_size_per_partition)
-        if self.fixed_order and kernels.fixed_order(x):  # the bias added before rounding
-            y = kernels.in_float32(lambda x32: self._codes_product(layer, x32, bias), x2d)
+        if self.fixed_order and kernels.fixed_order(x):
+            if self._takes_bf16(x2d):  # AVX512-BF16 dot products, invariant in their own order
+                y = self._codes_product(layer, x2d, bias)
+            else:  # the bias added before rounding
+                y = kernels.in_float32(lambda x32: self._codes_product(layer, x32, bias), x2d)
         elif x2d.shape[0] <= MAX_GEMV_ROWS and kernels.fused_cpu_ops_apply(x):
             y = self._codes_product(layer, x2d, bias)
         else:
             y = _with_bias(F.linear(x2d, self.weight_as(layer, x.dtype)), bias)
         return y.view(*x.shape[:-1], layer.output_size_per_partition)
+
+    def _takes_bf16(self, x2d: torch.Tensor) -> bool:
+        """Whether the codes kernel multiplies this bfloat16 x as it is (the fused decoder's
+        Linear takes the same choice)."""
+        return (
+            self.bits == 4
+            and x2d.dtype == torch.bfloat16
+            and kernels.cpu_ops().int4_takes_bf16(x2d.shape[1])
+        )
 
     def _codes_product(self, layer: nn.Module, x2d: torch.Tensor, bias) -> torch.Tensor:
         kernel = getattr(kernels.cpu_ops(), f"int{self.bits}_linear")
