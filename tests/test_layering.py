@@ -22,6 +22,7 @@ LAYERS = [
     ["model_loader"],
     ["structured_output"],
     ["sample"],
+    ["spec_decode"],
     ["worker"],
     ["executor"],
     ["engine"],

@@ -30,7 +30,8 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """One step's results, keyed by sequence id (`Request.seq_id`)."""
 
-    # The tokens drawn for each sampled sequence: one, or `num_samples` for a group's first.
+    # The tokens drawn for each sampled sequence: one, `num_samples` for a group's first (one
+    # per sample), or for a sequence that verified drafts the accepted ones and the next.
     sampled_token_ids: dict[str, list[int]]
     # Aligned with sampled_token_ids, for sequences whose logprobs are needed.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
@@ -39,6 +40,8 @@ class ModelRunnerOutput:
     # prompt_logprobs: (position, record of the prompt token at that position) for the prompt
     # positions this step computed (position 0 has none: nothing precedes it).
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: draft tokens proposed for each sequence's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

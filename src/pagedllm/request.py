@@ -95,6 +95,9 @@ class Request:
         # Structured outputs: this sequence's grammar state (a structured_output.Grammar), which
         # consumes each output token; None when unconstrained.
         self.grammar: Any = None
+        # Speculative decoding: the draft tokens proposed to follow `all_token_ids`, verified
+        # by the next step (never part of the tokens until accepted).
+        self.spec_token_ids: list[int] = []
         self.group = SequenceGroup(self)
 
     @property
@@ -114,6 +117,63 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept_token(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """The status that `token_id`, just appended, ends this sequence with, if any."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.stop_reason = None  # the constrained output is complete
+            return RequestStatus.FINISHED_STOPPED
+        if self.max_tokens is not None and self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def usable_drafts(self, drafts: list[int] | None, max_model_len: int) -> list[int]:
+        """The proposed drafts a step can verify: no more than could be kept (max_tokens,
+        max_model_len: a step yields one token more than it verifies), and only those this
+        sequence's grammar would take."""
+        if not drafts:
+            return []
+        room = max_model_len - self.num_tokens
+        if self.max_tokens is not None:
+            room = min(room, self.max_tokens - self.num_output_tokens)
+        drafts = drafts[: max(0, room - 1)]
+        if self.grammar is not None and drafts:
+            drafts = drafts[: self.grammar.num_valid(drafts)]
+        return drafts
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first `num_output_tokens` (a stop string matched
+        before the last of several tokens a step accepted). Only for a sequence that ends."""
+        dropped = self.num_output_tokens - num_output_tokens
+        if dropped <= 0:
+            return
+        for record in self.output_logprobs[num_output_tokens:]:
+            self.cumulative_logprob -= record.logprob
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - dropped :]
+        del self.output_logprobs[num_output_tokens:]
+
+    def with_drafts(self, drafts: list[int]) -> Request:
+        """A view of this sequence as if `drafts` were accepted: what sampling the position
+        after them sees (penalties, min_tokens, its grammar's state). The grammar is a copy;
+        the sequence itself is unchanged."""
+        view = copy.copy(self)
+        view.output_token_ids = self.output_token_ids + drafts
+        if self.grammar is not None:
+            view.grammar = self.grammar.fork()
+            for token_id in drafts:
+                view.grammar.accept_token(token_id)
+        return view
 
     def is_finished(self) -> bool:
         return self.status.is_finished
@@ -136,6 +196,7 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.output_logprobs = list(self.output_logprobs)
+        child.spec_token_ids = []
         if self.grammar is not None:
             child.grammar = self.grammar.fork()
         self.group.seqs.append(child)

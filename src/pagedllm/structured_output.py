@@ -44,6 +44,10 @@ class Grammar:
         # A rejected token puts the matcher in its error state, which `error` reports.
         self.matcher.consume_token(token_id)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would take from here (unchanged)."""
+        return self.matcher.validate_tokens(token_ids)
+
     def is_terminated(self) -> bool:
         """Nothing but EOS can follow: the output is complete."""
         return self.matcher.is_stopped()

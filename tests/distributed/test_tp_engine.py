@@ -48,10 +48,17 @@ def assert_same(tp2, tp1):
                     assert step_a[t].logprob == pytest.approx(step_b[t].logprob, abs=1e-4)
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+
+
 @pytest.mark.parametrize(
     "engine",
-    [{}, dict(preemption_mode="swap", num_gpu_blocks_override=16, block_size=4, max_model_len=64)],
-    ids=["default", "swap_preemption"],
+    [
+        {},
+        dict(preemption_mode="swap", num_gpu_blocks_override=16, block_size=4, max_model_len=64),
+        dict(speculative_config=SPEC),  # drafts from rank 0, verified by both
+    ],
+    ids=["default", "swap_preemption", "speculative"],
 )
 def test_two_ranks_give_one_ranks_outputs(checkpoint, engine):
     single = LLM(model=checkpoint, **{**ENGINE, **engine})
@@ -66,11 +73,14 @@ def test_two_ranks_give_one_ranks_outputs(checkpoint, engine):
         # Half the KV heads on each rank (unless one is replicated): twice the blocks in the
         # same memory; the override fixes the count.
         ratio = single_heads // heads
-        assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks * (1 if engine else ratio)
+        ratio = 1 if "num_gpu_blocks_override" in engine else ratio
+        assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks * ratio
         got = generate(llm)
         assert_same(got, expected)
         assert_same(generate(llm), expected)  # again, now from the prefix cache
-        if engine:
+        if "speculative_config" in engine:
+            assert llm.llm_engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
+        elif engine:
             assert llm.llm_engine.scheduler.num_preemptions_total > 0
             assert llm.llm_engine.get_stats()["num_swapped_out_blocks"] > 0
         procs = llm.llm_engine.executor.procs

@@ -103,6 +103,7 @@ def test_every_engine_flag_round_trips():
         swap_space=1.5, attention_backend="sdpa", quantization="int4",
         allow_pickle_checkpoints=True, enforce_eager=True, tensor_parallel_size=2,
         kv_allocation="pow2", deterministic=False,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     )  # fmt: skip
     defaults = EngineArgs()
     changed = {

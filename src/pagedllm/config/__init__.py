@@ -24,6 +24,7 @@ from pagedllm.config.engine_config import (
     SchedulerConfig,
 )
 from pagedllm.config.model_arch import ModelArchConfig
+from pagedllm.config.speculative import SpeculativeConfig
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -44,5 +45,6 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "parse_bytes",
 ]

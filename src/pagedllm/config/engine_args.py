@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
+
+from pagedllm.config.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -148,6 +151,12 @@ class EngineArgs:
         "split the model across this many processes (torch.distributed: gloo on CPU, NCCL on CUDA)",
         short="-tp",
     )
+    # JSON text on the command line, a dict from LLM(...) (config/speculative.py)
+    speculative_config: str | dict | None = _flag(
+        None,
+        'speculative decoding, as JSON: {"method": "ngram" | "suffix" | "draft_model", '
+        '"num_speculative_tokens": k, ...} (docs/speculative_decoding.md)',
+    )
     kv_allocation: str = _flag(
         "paged",
         "paged | max | pow2 | oracle: paged blocks, or one contiguous region per request sized "
@@ -171,7 +180,7 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             action = f.metadata.get("action")
             if action is None:
-                argv += [flag, str(value)]
+                argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
             elif value:
                 argv.append(flag)
             elif action is argparse.BooleanOptionalAction:
@@ -199,6 +208,7 @@ class EngineArgs:
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
         parse_bytes(self.kv_cache_memory)
+        SpeculativeConfig.parse(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.swap_space >= 0:

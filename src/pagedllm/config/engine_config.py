@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pagedllm.config.engine_args import EngineArgs, parse_bytes
 from pagedllm.config.model_arch import ModelArchConfig
+from pagedllm.config.speculative import SpeculativeConfig
 
 # Like vLLM's CPU backend: a 4 GiB KV pool unless told otherwise (a GPU's is profiled).
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30
@@ -79,6 +80,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     load: LoadConfig
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def resolve(
@@ -142,6 +144,7 @@ class EngineConfig:
             parallel=ParallelConfig(args.tensor_parallel_size),
             device=DeviceConfig(device, args.attention_backend),
             load=LoadConfig(args.allow_pickle_checkpoints),
+            speculative=_speculative(args),
         )
 
 
@@ -163,6 +166,21 @@ def _deterministic(
             f"{backend}, dtype {dtype}"
         )
     return asked
+
+
+def _speculative(args: EngineArgs) -> SpeculativeConfig | None:
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config is not None and args.kv_allocation != "paged":
+        raise ValueError(
+            f"--speculative-config needs --kv-allocation paged (rejected drafts give their "
+            f"blocks back), got {args.kv_allocation}"
+        )
+    if config is not None and config.method == "draft_model" and args.tensor_parallel_size > 1:
+        raise ValueError(
+            "--speculative-config: draft_model runs its draft on rank 0 alone; it needs "
+            f"--tensor-parallel-size 1, got {args.tensor_parallel_size}"
+        )
+    return config
 
 
 def _cache_dtype(asked: str, model_dtype: str) -> str:

@@ -63,6 +63,21 @@ class BeamSearchState:
         self.done = False
         self._improvement_possible = True
 
+    @classmethod
+    def for_request(cls, request, max_model_len: int) -> BeamSearchState:
+        """The search of a beam-search request (a `Request`) under `max_model_len`."""
+        params = request.sampling_params
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += [t for t in request.eos_token_ids if t not in stop_ids]
+        max_tokens = min(
+            request.max_tokens or max_model_len, max_model_len - request.num_prompt_tokens
+        )
+        return cls(
+            request.group.num_samples, max_tokens, params.length_penalty, params.early_stopping,
+            stop_ids, params.logprobs,
+        )  # fmt: skip
+
     def score(self, cumulative_logprob: float, length: int) -> float:
         return cumulative_logprob / (length**self.length_penalty)
 

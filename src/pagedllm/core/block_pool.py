@@ -34,22 +34,39 @@ class BlockPool:
 
     The free queue is an OrderedDict keyed by block id: popping the head, appending at the tail
     and removing a block from the middle (a prefix-cache hit on a free block) are all O(1).
+    Blocks never handed out yet head the queue in id order without being in it: they are made
+    as `allocate` first reaches them (a small model's 4 GiB pool is millions of blocks, which
+    took seconds to set up).
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        self._blocks: list[KVCacheBlock] = []  # blocks 0 .. len - 1; the rest never used
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()  # made blocks only
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        """Every block, by id (making the ones never used: O(num_blocks) the first time)."""
+        self._make(self.num_blocks - len(self._blocks))
+        return self._blocks
+
+    def _make(self, count: int) -> list[KVCacheBlock]:
+        """The next `count` never-used blocks, made."""
+        start = len(self._blocks)
+        made = [KVCacheBlock(i) for i in range(start, start + count)]
+        self._blocks += made
+        for block in reversed(made):  # they stay ahead of the blocks freed so far
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
+        return made
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that `allocate` can hand out, cached (evictable) ones included."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self._blocks)
 
     @property
     def usage(self) -> float:
@@ -58,8 +75,9 @@ class BlockPool:
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take blocks from the head of the free queue, evicting their cached hash if any."""
-        if num_blocks > len(self._free):
-            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        self._make(min(num_blocks, self.num_blocks - len(self._blocks)))
         blocks = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
@@ -109,9 +127,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use, as in vLLM."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.blocks:
+        for block in self._blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         return True
@@ -125,7 +143,8 @@ class BlockPool:
         or free): what the dashboard draws. O(num_blocks), so only taken when asked."""
         return {
             "num_blocks": self.num_blocks,
-            "ref_cnt": [b.ref_cnt for b in self.blocks],
+            "ref_cnt": [b.ref_cnt for b in self._blocks]
+            + [0] * (self.num_blocks - len(self._blocks)),
             "cached": sorted(b.block_id for b in self.cached_block_hash_to_block.values()),
         }
 
@@ -133,22 +152,26 @@ class BlockPool:
     def check_integrity(self, block_tables: Iterable[list[KVCacheBlock]]) -> None:
         """free + in use == total, every ref count equals the number of tables holding the
         block, no block in use is in the free queue, and the hash map and the blocks agree."""
-        expected = [0] * self.num_blocks
+        blocks = self._blocks  # the never-used rest: free, no references, no hash
+        expected = [0] * len(blocks)
         for table in block_tables:
             for block in table:
+                assert block is blocks[block.block_id], "a table holds a stray block"
                 expected[block.block_id] += 1
-        actual = [b.ref_cnt for b in self.blocks]
+        actual = [b.ref_cnt for b in blocks]
         assert actual == expected, "reference counts disagree with the block tables"
         for block_id, block in self._free.items():
-            assert block is self.blocks[block_id], "the free queue holds a stray block"
+            assert block is blocks[block_id], "the free queue holds a stray block"
             assert block.ref_cnt == 0, "a used block is in the free queue"
         num_used = sum(1 for c in expected if c > 0)
-        assert num_used + len(self._free) == self.num_blocks, "blocks leaked: free + used != total"
+        assert num_used + self.num_free_blocks == self.num_blocks, (
+            "blocks leaked: free + used != total"
+        )
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, (
                 "the hash map points at a block with another hash"
             )
-        for block in self.blocks:
+        for block in blocks:
             if block.block_hash is not None:
                 assert self.cached_block_hash_to_block.get(block.block_hash) is block, (
                     f"block {block.block_id} has a hash but is not the map's entry for it"

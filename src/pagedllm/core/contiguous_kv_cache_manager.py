@@ -241,6 +241,9 @@ class ContiguousKVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         raise ValueError("contiguous KV reservations cannot share blocks (n=1 only)")
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        raise ValueError("contiguous KV reservations take no speculative decoding")
+
     def can_swap_out(self, requests: list[Request]) -> bool:
         return False  # no swap space: preemption never happens anyway
 

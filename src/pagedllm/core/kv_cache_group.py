@@ -205,6 +205,17 @@ class KVCacheGroup:
                 self.block_pool.cache_block(blocks[i], self._key(hashes[i]))
         self.num_cached_blocks[req_id] = num_full_blocks
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` positions (slots of rejected draft
+        tokens). They were never named in the prefix cache: only verified tokens are."""
+        table = self.req_to_blocks.get(request.seq_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return
+        dropped = live_blocks(table[keep:])
+        del table[keep:]
+        self.block_pool.free(reversed(dropped))
+
     def fork(self, parent: Request, child: Request) -> None:
         blocks = self.req_to_blocks.get(parent.seq_id, [])
         self.block_pool.touch(live_blocks(blocks))

@@ -120,6 +120,10 @@ class KVCacheInterface(Protocol):
 
     def fork(self, parent: Request, child: Request) -> None: ...
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` positions (rejected draft tokens)."""
+        ...
+
     def free(self, request: Request) -> None: ...
 
     # -- swapping -------------------------------------------------------------------------------

@@ -174,6 +174,11 @@ class KVCacheManager:
         self.block_pool.free(hit_blocks)
         return allocations
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the sequence's blocks past its first `num_tokens` positions (rejected drafts)."""
+        for group in self.groups:
+            group.trim(request, num_tokens)
+
     def free(self, request: Request) -> None:
         """Return the sequence's blocks (its swap-space blocks too, if it is swapped out)."""
         for group in self.groups:

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.beam_search import BeamSearchState
 from pagedllm.core.kv_cache_interface import BlockPair, KVCacheInterface
-from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput, SpecDecodeStats
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 
@@ -46,24 +46,14 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_swap_preemptions_total = 0
         self._num_running_seqs = 0
+        self.spec_decode_stats = SpecDecodeStats()
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a new request (its first sequence; `request.group` is the group)."""
         group = request.group
-        params = request.sampling_params
         if group.is_beam_search and group.beam is None:
-            stop_ids = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids += [t for t in request.eos_token_ids if t not in stop_ids]
-            max_tokens = min(
-                request.max_tokens or self.config.max_model_len,
-                self.config.max_model_len - request.num_prompt_tokens,
-            )
-            group.beam = BeamSearchState(
-                group.num_samples, max_tokens, params.length_penalty, params.early_stopping,
-                stop_ids, params.logprobs,
-            )  # fmt: skip
+            group.beam = BeamSearchState.for_request(request, self.config.max_model_len)
         self.waiting.append(group)
         self.requests[group.request_id] = group
 
@@ -202,6 +192,9 @@ class Scheduler:
         for seq, num_new in plan:
             out.scheduled_requests.append(seq)
             out.num_scheduled_tokens[seq.seq_id] = num_new
+            if seq.spec_token_ids:  # verified by this step, replaced by its output's
+                out.spec_token_ids[seq.seq_id] = seq.spec_token_ids
+                seq.spec_token_ids = []
             total += num_new
         return total
 
@@ -228,6 +221,11 @@ class Scheduler:
         if num_computed is None:
             num_computed = [s.num_computed_tokens for s in seqs]
         remaining = [s.num_tokens - c for s, c in zip(seqs, num_computed, strict=True)]
+        drafts = [len(s.spec_token_ids) for s in seqs]
+        if sum(remaining) + sum(drafts) <= budget:
+            return [(s, n + d) for s, n, d in zip(seqs, remaining, drafts, strict=True) if n + d]
+        for seq in seqs:  # a short budget drops the drafts first
+            seq.spec_token_ids = []
         if sum(remaining) <= budget:
             return [(s, n) for s, n in zip(seqs, remaining, strict=True) if n > 0]
         if len(seqs) == 1 and not self.config.enable_chunked_prefill:
@@ -343,6 +341,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         for seq in group.seqs:
             seq.num_preemptions += 1
+            seq.spec_token_ids = []
         if self.config.preemption_mode == "swap" and kv.can_swap_out(group.seqs):
             pairs = kv.swap_out(group.seqs)
             for seq in group.seqs:
@@ -368,7 +367,15 @@ class Scheduler:
         for seq in scheduler_output.scheduled_requests:
             if seq.is_finished():  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.seq_id]
+            num_new = scheduler_output.num_scheduled_tokens[seq.seq_id]
+            drafts = scheduler_output.spec_token_ids.get(seq.seq_id)
+            if drafts:
+                # The accepted drafts' K/V stay; the rejected ones' slots are given back.
+                num_accepted = len(output.sampled_token_ids[seq.seq_id]) - 1
+                self.spec_decode_stats.observe(len(drafts), num_accepted)
+                num_new -= len(drafts) - num_accepted
+                self.kv_cache_manager.trim(seq, seq.num_computed_tokens + num_new)
+            seq.num_computed_tokens += num_new
             if seq.seq_id in output.sampled_token_ids or seq.seq_id in output.beam_candidates:
                 groups.setdefault(seq.group.request_id, seq.group)
         for group in groups.values():
@@ -379,35 +386,48 @@ class Scheduler:
         return list(groups.values())
 
     def _append_samples(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:
+        """A sequence's tokens: its next one, several when it verified drafts (the accepted
+        ones and the token after them, up to the first that stops it), or, on a group's first
+        token, one per sample, each to its own fork."""
         kv = self.kv_cache_manager
-        sampled = []
+        stopped = []
         for seq in list(group.seqs):
             token_ids = output.sampled_token_ids.get(seq.seq_id)
             if token_ids is None:
                 continue
-            records = output.logprobs.get(seq.seq_id)
-            # A group's first token: fork the other samples off the prompt's blocks.
-            targets = [seq]
-            for index in range(1, len(token_ids)):
-                child = seq.fork(group.new_seq_id(kv.req_to_blocks), index)
-                kv.fork(seq, child)
-                targets.append(child)
-            self._num_running_seqs += len(targets) - 1
-            for i, (target, token_id) in enumerate(zip(targets, token_ids, strict=True)):
-                self._append_token(target, token_id, records[i] if records else None)
-            sampled += targets
-        for seq in sampled:
-            status = self._check_stop(seq, seq.output_token_ids[-1])
-            if status is not None:
-                self.finish_seq(seq, status)
+            records = output.logprobs.get(seq.seq_id) or [None] * len(token_ids)
+            if seq.num_samples > 1:  # fork the other samples off the prompt's blocks
+                targets = [seq]
+                for index in range(1, len(token_ids)):
+                    child = seq.fork(group.new_seq_id(kv.req_to_blocks), index)
+                    kv.fork(seq, child)
+                    targets.append(child)
+                self._num_running_seqs += len(targets) - 1
+                for target, token_id, record in zip(targets, token_ids, records, strict=True):
+                    self._append_token(target, token_id, record)
+                    status = target.check_stop(token_id, self.config.max_model_len)
+                    if status is not None:
+                        stopped.append((target, status))
+                continue
+            for token_id, record in zip(token_ids, records, strict=True):
+                self._append_token(seq, token_id, record)
+                status = seq.check_stop(token_id, self.config.max_model_len)
+                if status is not None:
+                    stopped.append((seq, status))
+                    break
+            else:
+                drafts = output.spec_token_ids.get(seq.seq_id)
+                seq.spec_token_ids = seq.usable_drafts(drafts, self.config.max_model_len)
+        for seq, status in stopped:
+            self.finish_seq(seq, status)
 
     @staticmethod
     def _append_token(seq: Request, token_id: int, record) -> None:
         seq.append_output_token(token_id)
         if record is not None:
+            # Kept even without logprobs asked for: truncate_output takes their sum back.
             seq.cumulative_logprob += record.logprob
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(record)
+            seq.output_logprobs.append(record)
 
     def _step_beam_search(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:
         """One beam search step: extend the chosen beams (forking a beam chosen more than once,
@@ -451,24 +471,6 @@ class Scheduler:
         beam.cumulative_logprob = c.cumulative_logprob
         if c.record is not None:
             beam.output_logprobs.append(c.record)
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_terminated():
-            request.stop_reason = None  # the constrained output is complete
-            return RequestStatus.FINISHED_STOPPED
-        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def check_integrity(self) -> None:
         """The pools agree with the block tables, and only live sequences hold blocks: running

@@ -26,13 +26,36 @@ class SchedulerOutput:
     # runner swaps out, then in, then copies, all before the forward.
     blocks_to_swap_out: list[BlockPair] = field(default_factory=list)
     blocks_to_swap_in: list[BlockPair] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each sequence verifies this step; they follow its
+    # known tokens and are counted in num_scheduled_tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def needs_sample(self, request: Request) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""
         n = self.num_scheduled_tokens[request.seq_id]
-        return request.num_computed_tokens + n == request.num_tokens
+        return request.num_computed_tokens + n >= request.num_tokens
 
     @property
     def is_empty(self) -> bool:
         """Nothing to run and no block to move."""
         return not (self.scheduled_requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding so far (vLLM's counters): verification rounds, draft tokens
+    verified, those accepted, and acceptances by position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1

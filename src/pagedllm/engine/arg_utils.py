@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.cpu_info import has_native_bf16
-from pagedllm.model_loader.loader import load_model_config
+from pagedllm.model_loader.loader import load_draft_model_config, load_model_config
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
@@ -33,4 +33,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     arch, name = load_model_config(args.model)
     device = resolve_device(args.device)
     dtype = str(auto_dtype(device)).removeprefix("torch.")
-    return EngineConfig.resolve(args, arch, name, device.type, dtype, has_native_bf16())
+    config = EngineConfig.resolve(args, arch, name, device.type, dtype, has_native_bf16())
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model" and spec.model is not None:
+        load_draft_model_config(spec.model, arch)  # refused here if it cannot draft
+    return config

@@ -74,6 +74,8 @@ class LLMEngine:
             executor = create_executor(config)
         elif executor.config.model != config.model:
             raise ValueError("an executor runs the model it loaded: the model configs differ")
+        elif executor.config.speculative != config.speculative:
+            raise ValueError("an executor's runner proposes drafts as its own engine asked")
         else:
             executor.initialize_cache(config.cache, config.scheduler)
         self.executor = executor
@@ -257,6 +259,19 @@ class LLMEngine:
             "num_first_tokens_total": outputs.num_first_tokens_total,
             "time_to_first_token_seconds_total": outputs.time_to_first_token_seconds_total,
             **self.executor.block_move_counts(),
+            **self._spec_decode_stats(),
+        }
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters (vLLM's names), when it is on."""
+        if self.config.speculative is None:
+            return {}
+        stats = self.scheduler.spec_decode_stats
+        return {
+            "spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos),
         }
 
     def kv_snapshot(self, check: bool = False) -> dict:

@@ -141,30 +141,49 @@ class OutputProcessor:
         """Detokenize each sequence's new tokens; a matched stop string ends that sequence."""
         group = state.group
         for seq in [*group.seqs, *group.finished_seqs]:
+            if self.tokenizer is not None:
+                self._detokenize(state, seq)
             if seq.sampling_params.logprobs is not None:
                 self._convert_logprobs(state, seq)
-            if self.tokenizer is None:
-                continue
-            detokenizer = state.detokenizers.get(seq.seq_id)
-            if detokenizer is None:
-                detokenizer = IncrementalDetokenizer(
-                    self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
-                )
-                state.detokenizers[seq.seq_id] = detokenizer
-            if seq.grammar is not None and seq.grammar.error is not None:
-                raise RuntimeError(f"the structured output grammar failed: {seq.grammar.error}")
-            new_token_ids = seq.output_token_ids[detokenizer.num_tokens :]
-            if not new_token_ids:
-                continue
-            # An EOS or stop token that ended the sequence is not part of the text (a token that
-            # completed a structured output, also a stop, is).
-            by_token = seq.status == RequestStatus.FINISHED_STOPPED and (
-                seq.stop_reason is not None or seq.output_token_ids[-1] in seq.eos_token_ids
+
+    def _detokenize(self, state: RequestState, seq: Request) -> None:
+        """The sequence's new text; a stop string that matched ends it there. Of several
+        tokens a step accepted (speculative decoding), those after the match are dropped, so
+        the output is what decoding them one by one would have given."""
+        detokenizer = state.detokenizers.get(seq.seq_id)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
             )
+            state.detokenizers[seq.seq_id] = detokenizer
+        if seq.grammar is not None and seq.grammar.error is not None:
+            raise RuntimeError(f"the structured output grammar failed: {seq.grammar.error}")
+        new_token_ids = seq.output_token_ids[detokenizer.num_tokens :]
+        if not new_token_ids:
+            return
+        # An EOS or stop token that ended the sequence is not part of the text (a token that
+        # completed a structured output, also a stop, is).
+        by_token = seq.status == RequestStatus.FINISHED_STOPPED and (
+            seq.stop_reason is not None or seq.output_token_ids[-1] in seq.eos_token_ids
+        )
+        if len(new_token_ids) == 1 or not detokenizer.stop:
             stop = detokenizer.update(new_token_ids, stop_terminated=by_token)
-            if stop is not None and not seq.is_finished():
+        else:
+            for i, token_id in enumerate(new_token_ids):
+                last = i == len(new_token_ids) - 1
+                stop = detokenizer.update([token_id], stop_terminated=by_token and last)
+                if stop is not None:
+                    break
+        if stop is None:
+            return
+        if detokenizer.num_tokens < seq.num_output_tokens:
+            seq.truncate_output(detokenizer.num_tokens)
+            if seq.is_finished():  # by a later token, now dropped
+                seq.status = RequestStatus.FINISHED_STOPPED
                 seq.stop_reason = stop
-                self._finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+        if not seq.is_finished():
+            seq.stop_reason = stop
+            self._finish_seq(seq, RequestStatus.FINISHED_STOPPED)
 
     def _convert_logprobs(self, state: RequestState, seq: Request) -> list[dict[int, Logprob]]:
         converted = state.logprobs.setdefault(seq.seq_id, [])

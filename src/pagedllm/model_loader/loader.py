@@ -189,6 +189,22 @@ def load_model(
     return loaded
 
 
+def load_draft_model_config(draft: str, target: ModelArchConfig) -> ModelArchConfig:
+    """A speculative draft model's architecture, if its vocabulary is the target's (a draft's
+    tokens are the target's token ids); a ValueError naming the flag otherwise."""
+    try:
+        arch, _ = load_model_config(draft)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--speculative-config: the draft model: {e}") from None
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--speculative-config: the draft model {draft!r} has a vocabulary of "
+            f"{arch.vocab_size} tokens, the target {target.vocab_size}: a draft must share "
+            "the target's tokenizer"
+        )
+    return arch
+
+
 def load_model_tokenizer(model: str | None, tokenizer: str | None = None) -> Tokenizer | None:
     """The tokenizer `load_model(model, tokenizer)` comes with, without the weights: `tokenizer`'s
     if given, else the model's own (a GGUF's metadata, a directory's tokenizer.json), or None."""

@@ -40,6 +40,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None: no row wants logprobs
     # Per row: top logprobs to report (0: only the sampled token's), or None for none.
     num_logprobs: list[int | None]
+    # Report each seeded row's generator state after its draw (speculative decoding rewinds
+    # a generator to the last row it keeps).
+    keep_generator_states: bool = False
 
     @property
     def no_penalties(self) -> bool:

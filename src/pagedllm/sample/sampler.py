@@ -17,6 +17,8 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None  # [rows, k + 1] int64
     logprobs: torch.Tensor | None  # [rows, k + 1] float32
     sampled_token_ranks: torch.Tensor | None  # [rows] int64; 1 = most likely
+    # metadata.keep_generator_states: each seeded row's generator state after its draw
+    generator_states: dict[int, torch.Tensor] | None = None
 
 
 class Sampler(torch.nn.Module):
@@ -48,20 +50,23 @@ class Sampler(torch.nn.Module):
         logits = apply_logits_processors(logits, metadata)
 
         greedy = None if metadata.all_random else argmax(logits)
+        states = None
         if metadata.all_greedy:
             sampled = greedy
         else:
-            sampled = self._sample_random(logits, metadata)
+            sampled, states = self._sample_random(logits, metadata)
             if greedy is not None:
                 sampled = torch.where(metadata.greedy_mask, greedy, sampled)
 
         if raw_logprobs is None:
-            return SamplerOutput(sampled, None, None, None)
+            return SamplerOutput(sampled, None, None, None, states)
         return SamplerOutput(
-            sampled, *gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+            sampled, *gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled), states
         )
 
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _sample_random(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
         logits.div_(md.temperature.unsqueeze(1))
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
@@ -73,11 +78,14 @@ class Sampler(torch.nn.Module):
         noise = torch.empty_like(probs)
         if len(md.generators) < probs.shape[0]:
             noise.exponential_(generator=self._generator(probs.device))
-        for row, gen in md.generators.items():
+        states = {} if md.keep_generator_states else None
+        for row, gen in md.generators.items():  # in row order: a request's rows draw in turn
             noise[row].exponential_(generator=gen)
+            if states is not None:
+                states[row] = gen.get_state()
         # A zero draw would make 0/0 = NaN on masked tokens, and argmax picks NaN.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return argmax(probs.div_(noise))
+        return argmax(probs.div_(noise)), states
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from pagedllm.distributed.step_channel import StepInputs, pairs
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, beam_candidates, gather_logprobs
+from pagedllm.sample.sampler import Sampler, SamplerOutput, beam_candidates, gather_logprobs
+from pagedllm.spec_decode import Proposer
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 
 
@@ -31,7 +32,10 @@ from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 class StepPlan:
     """Rank 0's side of a step message: who the logits rows belong to."""
 
-    sample_reqs: list[Request] = field(default_factory=list)  # one per sample_logits_rows row
+    # The requests sampled this step; sample_logits_rows holds one row each, or 1 + k for a
+    # request verifying k drafts (`drafts`, aligned: [] for the others).
+    sample_reqs: list[Request] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     # One per prompt_logits_rows row: the request and the prompt position the row scores.
     prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)  # the token at that position
@@ -55,6 +59,7 @@ class ModelRunner:
         cache_dtype: torch.dtype,
         seed: int = 0,
         attention_backend: str = "auto",
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -63,12 +68,20 @@ class ModelRunner:
         self.cache_dtype = cache_dtype  # the KV pool's elements (attention/kv_quant.py)
         self.kv_cache_spec = kv_cache_spec(config, block_size, cache_dtype)
         self.sampler = Sampler(seed=seed)
+        # Speculative decoding: proposes each sampled request's drafts for the next step.
+        self.proposer = proposer
         # Per request id: sample index -> the generator of a seeded sample, created on its first
         # token and carried across steps (and preemptions) until the request finishes.
         self.generators: dict[str, dict[int, torch.Generator]] = {}
         self.kv_cache: KVCache | None = None
         # Block copies (copy-on-write, swap) run on the attention backend's kernels.
         self._copy_blocks = get_attention_backend(attention_backend, device).copy_blocks
+
+    def forget_requests(self) -> None:
+        """Drop every request's state (another engine takes this runner over)."""
+        self.generators.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.kv_cache = None  # the old pool goes before the new one is allocated
@@ -108,6 +121,8 @@ class ModelRunner:
         request may reuse a finished one's id in this very step."""
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.proposer is not None and so.finished_request_ids:
+            self.proposer.finish(so.finished_request_ids)
         step = StepInputs(
             pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in), pairs(so.blocks_to_copy)
         )
@@ -126,10 +141,12 @@ class ModelRunner:
         positions = np.arange(total) - query_start_loc[req_index] + num_computed[req_index]
 
         input_ids = np.empty(total, np.int64)
+        spec = so.spec_token_ids
         for i, r in enumerate(reqs):
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = r.all_token_ids[
-                num_computed[i] : seq_lens[i]
-            ]
+            tokens = r.all_token_ids[num_computed[i] : seq_lens[i]]
+            if r.seq_id in spec:  # drafts to verify follow the known tokens
+                tokens = tokens + spec[r.seq_id]
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = tokens
 
         block_tables = []  # one [num_reqs, max_blocks] table per KV cache group
         for g in range(len(self.kv_cache_spec.groups)):
@@ -144,11 +161,16 @@ class ModelRunner:
         prompt_rows = self._plan_prompt_logprobs(so, plan)
         sample_rows = [i for i, r in enumerate(reqs) if so.needs_sample(r)]
         plan.sample_reqs = [reqs[i] for i in sample_rows]
+        plan.drafts = [spec.get(reqs[i].seq_id, []) for i in sample_rows]
+        # A request's last row, and before it one per draft it verifies.
+        counts = np.array([len(d) + 1 for d in plan.drafts], np.int64)
+        ends = np.repeat(query_start_loc[1:][sample_rows], counts)
+        back = np.arange(len(ends)) - np.repeat(np.cumsum(counts), counts)
         step = dataclasses.replace(
             step, input_ids=input_ids, positions=positions, req_index=req_index,
             query_lens=num_scheduled, seq_lens=seq_lens, block_tables=block_tables,
             prompt_logits_rows=np.asarray(prompt_rows, np.int64),
-            sample_logits_rows=query_start_loc[1:][sample_rows] - 1,
+            sample_logits_rows=ends + back,
         )  # fmt: skip
         return step, plan
 
@@ -237,12 +259,30 @@ class ModelRunner:
         if not plan.sample_reqs:
             return output
         sample_logits, sample_reqs = logits.sample, plan.sample_reqs
+        if any(plan.drafts):
+            sample_logits, sample_reqs = self._verify(sample_logits, plan, output)
+        self._sample_plain(sample_logits, sample_reqs, output)
+        if self.proposer is not None:
+            verified = {
+                r.seq_id: len(d) for r, d in zip(plan.sample_reqs, plan.drafts, strict=True)
+            }
+            output.spec_token_ids = self.proposer.propose(
+                plan.sample_reqs, output.sampled_token_ids, verified, len(so.scheduled_requests)
+            )
+        return output
+
+    def _sample_plain(
+        self, sample_logits: torch.Tensor, sample_reqs: list[Request], output: ModelRunnerOutput
+    ) -> None:
+        """One row per request: beam candidates, or a token per sample."""
+        if not sample_reqs:
+            return
         beam_rows = [i for i, r in enumerate(sample_reqs) if r.group.is_beam_search]
         if beam_rows:
             beams = [sample_reqs[i] for i in beam_rows]
             self._beam_candidates(sample_logits, beams, beam_rows, output)
             if len(beam_rows) == len(sample_reqs):
-                return output
+                return
         # One row per sample: a group's first token repeats its sequence's logits per sample.
         rows, row_reqs, sample_indices = [], [], []
         for i, r in enumerate(sample_reqs):
@@ -255,7 +295,51 @@ class ModelRunner:
         if rows != list(range(len(sample_reqs))):  # not just a length check: beam rows out
             sample_logits = sample_logits[torch.tensor(rows, device=self.device)]  # and forks in
         self._sample(sample_logits, row_reqs, sample_indices, output)
-        return output
+
+    def _verify(
+        self, logits: torch.Tensor, plan: StepPlan, output: ModelRunnerOutput
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """The requests that verify drafts: each of their rows is sampled as if the drafts
+        before it were accepted, and the drafts are kept while they equal what was sampled;
+        the first sample that differs (or the one after the last draft) is the step's last
+        token. With a draft of one token, that is Leviathan et al.'s rejection sampling (a
+        draft token is accepted with its probability under the target, and a rejection
+        samples the target's distribution without it), so the output is distributed as
+        without drafts, and a seeded request's generator, set back to the row it kept, gives
+        the very tokens it would give without. Returns the other rows and requests."""
+        rows, views, indices, plain_rows, plain_reqs = [], [], [], [], []
+        row = 0
+        for r, drafts in zip(plan.sample_reqs, plan.drafts, strict=True):
+            if not drafts:
+                plain_rows.append(row)
+                plain_reqs.append(r)
+                row += 1
+                continue
+            for j in range(len(drafts) + 1):
+                views.append(r.with_drafts(drafts[:j]))
+            indices += [r.sample_index] * (len(drafts) + 1)
+            rows += range(row, row + len(drafts) + 1)
+            row += len(drafts) + 1
+        out = self._sample(logits[torch.tensor(rows, dtype=torch.long, device=self.device)], views,
+                           indices, output,
+                           keep_generator_states=True)  # fmt: skip
+        start = 0
+        for r, drafts in zip(plan.sample_reqs, plan.drafts, strict=True):
+            if not drafts:
+                continue
+            tokens = output.sampled_token_ids[r.seq_id]
+            num_accepted = 0
+            while num_accepted < len(drafts) and tokens[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            del tokens[num_accepted + 1 :]
+            if r.seq_id in output.logprobs:
+                del output.logprobs[r.seq_id][num_accepted + 1 :]
+            state = (out.generator_states or {}).get(start + num_accepted)
+            if state is not None:
+                self.generators[r.request_id][r.sample_index].set_state(state)
+            start += len(drafts) + 1
+        plain_logits = logits[torch.tensor(plain_rows, dtype=torch.long, device=self.device)]
+        return plain_logits, plain_reqs
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, plan: StepPlan, output: ModelRunnerOutput
@@ -279,16 +363,18 @@ class ModelRunner:
         row_reqs: list[Request],
         sample_indices: list[int],
         output: ModelRunnerOutput,
-    ) -> None:
+        keep_generator_states: bool = False,
+    ) -> SamplerOutput:
         md = SamplingMetadata.from_requests(
             row_reqs, self.config.vocab_size, self.device, sample_indices, self.generators
         )
+        md.keep_generator_states = keep_generator_states
         out = self.sampler(logits, md)
         token_ids = out.sampled_token_ids.tolist()
         for r, t in zip(row_reqs, token_ids, strict=True):
             output.sampled_token_ids.setdefault(r.seq_id, []).append(t)
         if out.logprobs is None:
-            return
+            return out
         ids, lps, ranks = (
             out.logprob_token_ids.tolist(),
             out.logprobs.tolist(),
@@ -301,6 +387,7 @@ class ModelRunner:
             top = list(zip(ids[row][1 : k + 1], lps[row][1 : k + 1], strict=True))
             record = TokenLogprobs(ids[row][0], lps[row][0], ranks[row], top)
             output.logprobs.setdefault(r.seq_id, []).append(record)
+        return out
 
     def _beam_candidates(
         self,

@@ -13,11 +13,14 @@ import torch
 
 from pagedllm.attention import kv_quant
 from pagedllm.attention.selector import resolve_backend_name
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.cpu_info import available_cpus
 from pagedllm.distributed import step_channel
 from pagedllm.model_loader.build import build_model
+from pagedllm.model_loader.loader import load_draft_model_config
+from pagedllm.spec_decode import Proposer, make_proposer
+from pagedllm.worker.drafter import DraftModelProposer
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -46,6 +49,8 @@ class Worker:
         self.attention_backend = config.device.attention_backend
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self._cache_configs: tuple[CacheConfig, SchedulerConfig] | None = None
+        self.draft_model: torch.nn.Module | None = None  # speculative decoding's draft_model
+        self.draft_model_config: ModelConfig | None = None
 
     def init_device(self) -> None:
         """The seed, this rank's share of the CPU cores, and its GPU (one per rank)."""
@@ -70,6 +75,27 @@ class Worker:
             self.config.model, self.config.load, self.device, self.attention_backend
         )
         self.model, self.weight_bytes = built.model, built.weight_bytes
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model" and self.rank == 0:
+            self.draft_model_config = self._draft_model_config(spec)
+            draft = build_model(
+                self.draft_model_config, self.config.load, self.device, self.attention_backend
+            )
+            self.draft_model = draft.model
+            self.weight_bytes += draft.weight_bytes
+            logger.info("draft model: %s (%s), %.0f MiB of weights",
+                        self.draft_model_config.name, self.draft_model_config.quantization,
+                        draft.weight_bytes / 2**20)  # fmt: skip
+
+    def _draft_model_config(self, spec) -> ModelConfig:
+        """The draft's model config: the target's, with the draft's weights."""
+        m = self.config.model
+        if spec.model is None:
+            arch, name = m.arch, m.name
+        else:
+            arch, name = load_draft_model_config(spec.model, m.arch), spec.model
+        return dataclasses.replace(m, model=spec.model or m.model, tokenizer=None, name=name,
+                                   arch=arch, quantization=spec.draft_quantization)  # fmt: skip
 
     # -- the KV cache ---------------------------------------------------------------------------
     def prepare_cache(self, cache: CacheConfig, scheduler: SchedulerConfig) -> bool:
@@ -78,7 +104,7 @@ class Worker:
         runner forgets the requests of the one before)."""
         if self._cache_configs is not None and same_pool(self._cache_configs, (cache, scheduler)):
             self._cache_configs = (cache, scheduler)
-            self.model_runner.generators.clear()
+            self.model_runner.forget_requests()
             return False
         self._cache_configs = (cache, scheduler)
         if self.model_runner is not None:
@@ -93,9 +119,22 @@ class Worker:
             )
         self.model_runner = ModelRunner(
             self.model, m.arch, cache.block_size, self.device, cache_dtype, seed=m.seed,
-            attention_backend=self.attention_backend,
+            attention_backend=self.attention_backend, proposer=self._proposer(cache, cache_dtype),
         )  # fmt: skip
         return True
+
+    def _proposer(self, cache: CacheConfig, cache_dtype: torch.dtype) -> Proposer | None:
+        """Speculative decoding's proposer (rank 0 proposes, every rank verifies)."""
+        spec = self.config.speculative
+        if self.rank != 0 or spec is None:
+            return None
+        if spec.method != "draft_model":
+            return make_proposer(spec)
+        runner = ModelRunner(
+            self.draft_model, self.draft_model_config.arch, cache.block_size, self.device,
+            cache_dtype, attention_backend=self.attention_backend,
+        )  # fmt: skip
+        return DraftModelProposer(spec, runner)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -107,6 +146,9 @@ class Worker:
         cache, sched = self._cache_configs
         spec = self.kv_cache_spec
         bytes_per_block = spec.bytes_per_block
+        proposer = self.model_runner.proposer
+        if isinstance(proposer, DraftModelProposer):  # as many blocks again, for the draft
+            bytes_per_block += proposer.bytes_per_block
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         else:
@@ -154,6 +196,8 @@ class Worker:
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.model_runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+        if isinstance(self.model_runner.proposer, DraftModelProposer):
+            self.model_runner.proposer.initialize_kv_cache(num_blocks)
 
     def _profile_cuda_kv_budget(self) -> int:
         """What gpu_memory_utilization x total leaves after the peak of a forward pass over a

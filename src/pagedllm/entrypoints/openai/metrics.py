@@ -45,6 +45,52 @@ class EngineStatsCollector:
             metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             metric.add_metric(value, float(stats[key]))
             yield metric
+        if "spec_decode_num_drafts" in stats:
+            yield from _spec_decode_metrics(stats, labels, value)
+
+
+def _spec_decode_metrics(stats: dict, labels: list[str], value: list[str]):
+    """vLLM's speculative decoding counters, acceptances by draft position labelled."""
+    counters = {
+        "spec_decode_num_drafts": "Verification rounds (a request's drafts in one step).",
+        "spec_decode_num_draft_tokens": "Draft tokens verified.",
+        "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    }
+    for name, doc in counters.items():
+        metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+        metric.add_metric(value, float(stats[name]))
+        yield metric
+    metric = CounterMetricFamily(
+        "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0: the first).",
+        labels=[*labels, "position"],
+    )
+    for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+        metric.add_metric([*value, str(position)], float(count))
+    yield metric
+
+
+def spec_decode_line(previous: dict, stats: dict, seconds: float) -> str | None:
+    """vLLM's speculative decoding log line over the interval, or None without drafts in it."""
+    drafts = stats["spec_decode_num_drafts"] - previous["spec_decode_num_drafts"]
+    if drafts <= 0:
+        return None
+    drafted = stats["spec_decode_num_draft_tokens"] - previous["spec_decode_num_draft_tokens"]
+    accepted = (
+        stats["spec_decode_num_accepted_tokens"] - previous["spec_decode_num_accepted_tokens"]
+    )
+    before = previous["spec_decode_num_accepted_tokens_per_pos"]
+    per_pos = [
+        (count - (before[i] if i < len(before) else 0)) / drafts
+        for i, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])
+    ]
+    return (
+        f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted "
+        f"throughput: {accepted / seconds:.2f} tokens/s, Drafted throughput: "
+        f"{drafted / seconds:.2f} tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} "
+        f"tokens, Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+        f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%"
+    )
 
 
 class RequestMetrics:
@@ -140,4 +186,9 @@ async def log_stats(engine, interval: float) -> None:
         busy = stats["num_running"] or stats["num_waiting"] or stats["num_swapped"]
         if busy or any(stats[k] != previous[k] for k in keys):
             logger.info("%s", stats_line(previous, stats, now - then))
+            spec = "spec_decode_num_drafts" in stats and spec_decode_line(
+                previous, stats, now - then
+            )
+            if spec:
+                logger.info("%s", spec)
         previous, then = stats, now
