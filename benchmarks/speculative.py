@@ -8,10 +8,14 @@ method of `--methods` runs the same greedy requests on its own engine (the same 
 plus its --speculative-config): output tokens/s and its ratio to `none`, the drafts' acceptance
 rate (accepted / drafted tokens) and mean acceptance length (tokens a verifying step yields: 1 +
 accepted / drafts). Outputs must agree with `none`'s (greedy, or sampled with `--temperature`
-from per-request seeds); the share that do is printed.
+from per-request seeds); the share that do is printed. With `--llama-server`, llama.cpp's
+server runs the same requests at concurrency 1, without speculation and with its draft-free
+`--spec-type`s (benchmarks/spec_llama.py), each against its own run without.
 
     python -m benchmarks.speculative [--workloads code-edit,rewrite,multi-turn,random]
-        [--concurrencies 1,8,32] [--methods none,ngram,suffix] [--num-speculative-tokens 5]
+        [--concurrencies 1,8,32] [--methods none,ngram,suffix,draft_model]
+        [--num-speculative-tokens 5] [--disable-by-batch-size N | none]
+        [--llama-server PATH [--llama-spec-types none,ngram-simple,...]]
         [--num-prompts 16] [--max-tokens 128] [engine flags]
 """
 
@@ -23,12 +27,14 @@ import sys
 import time
 
 from benchmarks import common
+from benchmarks.spec_llama import SPEC_TYPES, run_llama_server
 from benchmarks.spec_workloads import WORKLOADS, requests_for
 from pagedllm.bench.utils import table_lines, write_json
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.model_loader.loader import resolve_model
 from pagedllm.sampling_params import SamplingParams
 
-METHODS = ("none", "ngram", "suffix")
+METHODS = ("none", "ngram", "suffix", "draft_model")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +44,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--concurrencies", type=common.nonempty(common.int_list),
                        default=[1, 8, 32], help="requests in flight (default: 1,8,32)")  # fmt: skip
     group.add_argument("--methods", type=common.choice_list(METHODS, "method"),
-                       default=list(METHODS), help="none,ngram,suffix (default: all)")  # fmt: skip
+                       default=list(METHODS),
+                       help="none,ngram,suffix,draft_model (default: all; draft_model drafts "
+                       "with the target's own weights as int4 codes)")  # fmt: skip
     group.add_argument("--num-speculative-tokens", type=int, default=5)
+    group.add_argument("--disable-by-batch-size", type=_batch_size, default="default",
+                       help="drafts only in steps of at most this many requests; 'none': at any "
+                       "batch size (default: the method's default)")  # fmt: skip
     group.add_argument("--num-prompts", type=int, default=16,
                        help="requests per workload and concurrency (default: 16)")  # fmt: skip
     group.add_argument("--max-tokens", type=int, default=128)
@@ -47,13 +58,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="0: greedy; above, each request seeded by its index, so that "
                        "every method samples the same tokens (default: 0)")  # fmt: skip
     group.add_argument("--workload-seed", type=int, default=0)
+    group.add_argument("--llama-server", help="also run this llama-server binary at "
+                       "concurrency 1 (benchmarks/build_llama_server.sh builds one)")  # fmt: skip
+    group.add_argument("--llama-spec-types", type=common.choice_list(SPEC_TYPES, "spec type"),
+                       default=list(SPEC_TYPES),
+                       help="its --spec-type values (default: all draft-free ones)")  # fmt: skip
     group.add_argument("--output-json", help="write the results here")
+
+
+def _batch_size(text: str) -> int | str | None:
+    if text in ("none", "default"):
+        return None if text == "none" else text
+    return int(text)
 
 
 def spec_config(method: str, ns: argparse.Namespace) -> dict | None:
     if method == "none":
         return None
-    return {"method": method, "num_speculative_tokens": ns.num_speculative_tokens}
+    config = {"method": method, "num_speculative_tokens": ns.num_speculative_tokens}
+    if ns.disable_by_batch_size != "default":
+        config["disable_by_batch_size"] = ns.disable_by_batch_size
+    return config
 
 
 def run_closed_loop(
@@ -109,8 +134,15 @@ def main(ns: argparse.Namespace, engine_args) -> int:
                 m: run_closed_loop(e, requests, concurrency, ns.temperature)
                 for m, e in engines.items()
             }
-            base = runs.get("none")
+            if ns.llama_server and concurrency == 1:
+                gguf = resolve_model(engine_args.model)
+                for spec_type in ns.llama_spec_types:
+                    runs[f"llama.cpp {spec_type}"] = run_llama_server(
+                        ns.llama_server, gguf, requests, spec_type, ns.num_speculative_tokens
+                    )
             for method, r in runs.items():
+                # llama.cpp against its own run without speculation (its numerics differ)
+                base = runs.get("llama.cpp none" if method.startswith("llama") else "none")
                 ratio = r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None
                 same = (sum(a == b for a, b in zip(r["outputs"], base["outputs"], strict=True))
                         / len(requests)) if base else None  # fmt: skip

@@ -87,4 +87,5 @@ def test_bad_speculative_config_is_refused_at_start_up():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "--speculative-config: method must be one of ngram, suffix" in proc.stdout + proc.stderr
+    message = "--speculative-config: method must be one of ngram, suffix, draft_model"
+    assert message in proc.stdout + proc.stderr

@@ -172,7 +172,7 @@ def test_config_defaults_and_cli_round_trip():
     c = config(method="ngram", num_speculative_tokens=3, prompt_lookup_max=6)
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 6)
     assert config(method="suffix").num_speculative_tokens == 24
-    assert c.disable_by_batch_size == 8  # measured: docs/speculative_decoding.md
+    assert c.disable_by_batch_size == 32  # measured: docs/speculative_decoding.md
     assert config(method="suffix", disable_by_batch_size=None).disable_by_batch_size is None
     args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     flag = args.to_cli_args()

@@ -99,13 +99,15 @@ class DraftModelProposer(Proposer):
         return drafts
 
     def _roll_back(self, state: DraftSeq, tokens: np.ndarray) -> None:
-        """Keep the K/V of the drafts fed last time while they are what the sequence holds;
-        the blocks past the known positions go back to the pool."""
+        """Keep the K/V of the drafts fed last time while they are what the sequence holds
+        (a draft the target never verified may still equal what it sampled there); the blocks
+        past the positions kept go back to the pool."""
         start, fed = state.drafted
         kept = 0
         while kept < len(fed) and start + kept < len(tokens) and tokens[start + kept] == fed[kept]:
             kept += 1
-        state.num_computed_tokens = min(start + kept, len(tokens))
+        # The last token is fed again even if its K/V is there: its logits give the draft.
+        state.num_computed_tokens = min(start + kept, len(tokens) - 1)
         state.drafted = (state.num_computed_tokens, [])
         self.kv.trim(state, state.num_computed_tokens)
 
