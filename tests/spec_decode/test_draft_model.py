@@ -138,3 +138,24 @@ def test_bad_draft_models_are_refused_naming_the_flag(tmp_path, models):
     with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
         create_engine_config(EngineArgs(model=target, speculative_config=spec(),
                                         tensor_parallel_size=2, **ENGINE))  # fmt: skip
+
+
+def test_drafts_stop_at_max_model_len(models):
+    """A request that reaches max_model_len: the draft runs no position past it (its drafts are
+    cut to what the step can keep) and the output equals the one without drafts."""
+    target, _ = models
+    engine = dict(ENGINE, max_model_len=64)
+    llm = LLM(model=target, speculative_config=spec(quantization="none"), **engine)
+    forward = proposer_of(llm)._forward
+    positions = []
+
+    def spy(feeds):
+        positions.extend(s.num_computed_tokens + len(f) - 1 for s, f in feeds)
+        return forward(feeds)
+
+    proposer_of(llm)._forward = spy
+    prompt = [LOOPY * 6]  # 60 tokens: four positions left
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    got = generate(llm, params, prompt)
+    assert got == generate(LLM(model=target, **engine), params, prompt)
+    assert len(got[0][0][0]) == 4 and positions and max(positions) < 64

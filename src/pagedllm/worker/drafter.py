@@ -42,8 +42,9 @@ class DraftSeq:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, max_model_len: int) -> None:
         self.runner = runner  # the draft model's; only its forward pass is used
+        self.max_model_len = max_model_len
         self.kv: KVCacheManager | None = None
         super().__init__(config)
         self.seqs: dict[str, DraftSeq] = {}
@@ -75,6 +76,13 @@ class DraftModelProposer(Proposer):
         """Catch up, then draft each sequence's tokens, one batched forward per draft token."""
         feeds = []  # per drafting sequence: (state, tokens to feed, cap)
         for seq, tokens, cap in wanted:
+            # No more drafts than the step could keep (Request.usable_drafts cuts the rest).
+            room = self.max_model_len - len(tokens)
+            if seq.max_tokens is not None:
+                room = min(room, seq.max_tokens - (len(tokens) - seq.num_prompt_tokens))
+            cap = min(cap, room - 1)
+            if cap < 1:
+                continue
             state = self.seqs.setdefault(seq.seq_id, DraftSeq(seq.seq_id))
             self._roll_back(state, tokens)
             # Room for the tokens to feed and the cap - 1 drafts fed after them.

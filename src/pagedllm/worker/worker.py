@@ -134,7 +134,7 @@ class Worker:
             self.draft_model, self.draft_model_config.arch, cache.block_size, self.device,
             cache_dtype, attention_backend=self.attention_backend,
         )  # fmt: skip
-        return DraftModelProposer(spec, runner)
+        return DraftModelProposer(spec, runner, self.config.model.max_model_len)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
