@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top; a unit may import units of lower layers only (and itself).
 LAYERS = [
-    ["config", "logger", "cpu_info", "outputs", "sampling_params", "version"],
+    ["config", "logger", "cpu_info", "outputs", "sampling_params", "lora_request", "version"],
     ["request"],
     ["core"],
     ["kernels", "kv_calc"],

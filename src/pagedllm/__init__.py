@@ -1,6 +1,7 @@
 """pagedllm: an LLM inference and serving engine built on PagedAttention."""
 
 from pagedllm.logger import init_logger
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -24,6 +25,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
 ]
 
 

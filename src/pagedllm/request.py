@@ -64,6 +64,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         # The key of this sequence's block table and scheduled tokens: the request id for the
@@ -91,6 +92,8 @@ class Request:
         # share cached blocks; and the hashes of the full blocks so far, extended as tokens grow
         # (by core.block_hash.update_block_hashes).
         self.cache_salt = cache_salt
+        # The LoRA adapter this request runs with (a lora_request.LoRARequest), or None.
+        self.lora_request = lora_request
         self.block_hashes: list[bytes] = []
         # Structured outputs: this sequence's grammar state (a structured_output.Grammar), which
         # consumes each output token; None when unconstrained.
@@ -236,6 +239,12 @@ class SequenceGroup:
     @property
     def sampling_params(self):
         return self.first.sampling_params
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The adapter the group runs with (its slot must be free to admit it), or None."""
+        lora = self.first.lora_request
+        return None if lora is None else lora.lora_int_id
 
     def is_finished(self) -> bool:
         return not self.seqs

@@ -157,6 +157,15 @@ class EngineArgs:
         'speculative decoding, as JSON: {"method": "ngram" | "suffix" | "draft_model", '
         '"num_speculative_tokens": k, ...} (docs/speculative_decoding.md)',
     )
+    # Multi-LoRA (docs/lora.md): adapters in slots beside the base weights
+    enable_lora: bool = _flag(
+        False, "serve LoRA adapters (PEFT directories, GGUF LoRA files)", action="store_true"
+    )
+    max_loras: int = _flag(1, "LoRA adapters resident at once (slots; one step mixes them)")
+    max_lora_rank: int = _flag(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = _flag(
+        None, "LoRA adapters kept loaded in host memory (an LRU; default: --max-loras)"
+    )
     kv_allocation: str = _flag(
         "paged",
         "paged | max | pow2 | oracle: paged blocks, or one contiguous region per request sized "
@@ -211,5 +220,14 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                f"{self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

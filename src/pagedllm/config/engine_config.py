@@ -54,6 +54,15 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
+    # LoRA adapters a step may mix (their requests are admitted while slots allow); 0: no LoRA
+    max_loras: int = 0
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int  # slots: adapters resident at once
+    max_lora_rank: int
+    max_cpu_loras: int  # adapters kept loaded in host memory (LRU), >= max_loras
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ class EngineConfig:
     device: DeviceConfig
     load: LoadConfig
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None
 
     @classmethod
     def resolve(
@@ -140,12 +150,23 @@ class EngineConfig:
                 max_model_len,
                 args.enable_chunked_prefill,
                 args.preemption_mode,
+                args.max_loras if args.enable_lora else 0,
             ),  # fmt: skip
             parallel=ParallelConfig(args.tensor_parallel_size),
             device=DeviceConfig(device, args.attention_backend),
             load=LoadConfig(args.allow_pickle_checkpoints),
             speculative=_speculative(args),
+            lora=_lora(args),
         )
+
+
+def _lora(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    if args.kv_allocation != "paged":
+        raise ValueError(f"--enable-lora needs --kv-allocation paged, got {args.kv_allocation}")
+    max_cpu = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    return LoRAConfig(args.max_loras, args.max_lora_rank, max_cpu)
 
 
 def _deterministic(

@@ -154,3 +154,41 @@ class BeamSearchState:
         best_possible = self.score(best_running, best_length)
         if best_possible <= self.finished[-1].score:
             self._improvement_possible = False
+
+
+def step_beams(group: Any, candidates: dict, kv: Any) -> int:
+    """One beam search step of a running group: extend the chosen beams (forking a beam chosen
+    more than once, sharing its blocks through the KV cache manager `kv`) and free the pruned
+    ones at once; `candidates`: each beam's (token ids, logprobs) by seq_id. Returns the change
+    in the number of live beams. The caller finishes the group when `group.beam.done`."""
+    beams = list(group.seqs)
+    chosen = group.beam.step(
+        beams, [candidates[b.seq_id] for b in beams], beams[0].num_output_tokens
+    )
+    children: dict[int, list[BeamCandidate]] = {}
+    for c in chosen:
+        children.setdefault(c.parent, []).append(c)
+    new_order = {}
+    for b, beam in enumerate(beams):
+        picks = children.get(b)
+        if not picks:
+            continue
+        for c in picks[1:]:  # fork before the parent itself is extended
+            child = beam.fork(group.new_seq_id(kv.req_to_blocks), beam.sample_index)
+            kv.fork(beam, child)
+            _extend_beam(child, c)
+            new_order[id(c)] = child
+        _extend_beam(beam, picks[0])
+        new_order[id(picks[0])] = beam
+    for i, beam in enumerate(beams):
+        if i not in children:  # pruned
+            kv.free(beam)
+    group.seqs[:] = [new_order[id(c)] for c in chosen]  # best first, like HF's beams
+    return len(group.seqs) - len(beams)
+
+
+def _extend_beam(beam: Any, c: BeamCandidate) -> None:
+    beam.append_output_token(c.token_id)
+    beam.cumulative_logprob = c.cumulative_logprob
+    if c.record is not None:
+        beam.output_logprobs.append(c.record)

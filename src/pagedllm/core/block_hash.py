@@ -1,8 +1,8 @@
 """The names of full blocks for prefix caching, as vLLM V1 does it. Torch-free.
 
 A FULL block is named by a hash chained over its parent block's hash and its token ids (the first
-block also mixes in the request's `cache_salt`), so equal hashes mean equal prefixes and
-therefore equal K/V.
+block also mixes in the request's `cache_salt` and its LoRA adapter's id), so equal hashes mean
+equal prefixes under the same weights and therefore equal K/V.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ _NONE_HASH = b"\x00" * 32
 
 
 def hash_block_tokens(
-    parent_hash: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: str | None = None
+    parent_hash: BlockHash | None,
+    token_ids: list[int] | tuple[int, ...],
+    extra: str | None = None,
+    lora_id: int | None = None,
 ) -> BlockHash:
-    """SHA-256 over (parent hash, token ids as int64, extra key).
+    """SHA-256 over (parent hash, token ids as int64, extra key, LoRA adapter id).
 
     SHA-256 rather than the builtin `hash()`: it is 256 bits, so a collision (two different
     prefixes sharing blocks, i.e. silently wrong output) is out of reach even for a prompt crafted
@@ -28,9 +31,14 @@ def hash_block_tokens(
     """
     h = hashlib.sha256(parent_hash or _NONE_HASH)
     h.update(array("q", token_ids).tobytes())
-    if extra is not None:
+    if extra is not None:  # length first: a salt cannot spell the adapter's bytes after it
+        raw = extra.encode()
         h.update(b"\x01salt")
-        h.update(extra.encode())
+        h.update(array("q", [len(raw)]).tobytes())
+        h.update(raw)
+    if lora_id is not None:
+        h.update(b"\x02lora")
+        h.update(array("q", [lora_id]).tobytes())
     return h.digest()
 
 
@@ -40,8 +48,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     tokens = request.all_token_ids
     for i in range(len(hashes), len(tokens) // block_size):
         parent = hashes[i - 1] if i else None
-        extra = request.cache_salt if i == 0 else None
-        hashes.append(
-            hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
-        )
+        salt, lora = (request.cache_salt, request.lora_request) if i == 0 else (None, None)
+        block = tokens[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block_tokens(parent, block, salt, lora and lora.lora_int_id))
     return hashes

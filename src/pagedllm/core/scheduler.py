@@ -11,6 +11,9 @@ re-prefilled) and resumed as a whole later. With prefix caching, a waiting seque
 longest cached prefix of full blocks, so a resumed group re-prefills only what was evicted
 meanwhile, and its sequences share their common prompt blocks again.
 
+With LoRA a step runs at most max_loras adapters; new requests are admitted FCFS within what
+fits (core/lora_admission.py), preempted groups strictly in order.
+
 Preemption mode "swap" moves the victim's blocks to a CPU swap space instead (falling back to
 recompute when the swap space is full). Preempted groups resume in arrival order, whether
 swapped out or waiting to be recomputed, before any new request; no new request is admitted
@@ -27,8 +30,9 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.beam_search import BeamSearchState
+from pagedllm.core.beam_search import BeamSearchState, step_beams
 from pagedllm.core.kv_cache_interface import BlockPair, KVCacheInterface
+from pagedllm.core.lora_admission import LoRAAdmission
 from pagedllm.core.scheduler_output import SchedulerOutput, SpecDecodeStats
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
@@ -47,6 +51,7 @@ class Scheduler:
         self.num_swap_preemptions_total = 0
         self._num_running_seqs = 0
         self.spec_decode_stats = SpecDecodeStats()
+        self.lora_admission = LoRAAdmission(config.max_loras)
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -104,6 +109,7 @@ class Scheduler:
 
     def _remove(self, group: SequenceGroup) -> None:
         del self.requests[group.request_id]
+        self.lora_admission.forget(group.request_id)
         self._finished_since_last_step.add(group.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -160,6 +166,7 @@ class Scheduler:
 
         # max_num_seqs counts sequences, including those a group will fork into.
         num_seqs = sum(g.max_num_running_seqs for g in self.running)
+        self.lora_admission.start_step(self.running)
 
         # Then preempted groups, strictly in arrival order whichever way they were preempted
         # (swapped out, or waiting at the head of `waiting` to be recomputed), then new ones,
@@ -167,6 +174,8 @@ class Scheduler:
         # to preempt.
         while not preempted and (self.swapped or self.waiting) and budget > 0:
             group, swapped = self._next_to_resume()
+            if group is None:
+                break
             if num_seqs + group.max_num_running_seqs > self.config.max_num_seqs:
                 break
             plan = self._swap_in(group, budget, out) if swapped else self._admit(group, budget, out)
@@ -174,6 +183,7 @@ class Scheduler:
                 break
             num_seqs += group.max_num_running_seqs
             budget -= self._add_to_step(out, plan)
+            self.lora_admission.admitted(group)
 
         out.block_ids = {
             r.seq_id: self.kv_cache_manager.get_group_block_ids(r.seq_id)
@@ -245,18 +255,25 @@ class Scheduler:
         # Keep `running` in arrival order, so a resumed group is not the next victim.
         bisect.insort(self.running, group, key=lambda g: g.arrival_time)
 
-    def _next_to_resume(self) -> tuple[SequenceGroup, bool]:
+    def _next_to_resume(self) -> tuple[SequenceGroup | None, bool]:
         """The next group to bring in, and whether it is swapped out: the earliest-arrived of the
-        preempted groups (swapped, or preempted for recompute), else the first new one.
+        preempted groups (swapped, or preempted for recompute), else the first new one whose
+        LoRA adapter fits; None when none may come in.
 
         Victims are always the latest-arrived running groups, so every preempted group arrived
         after every running one; resuming them in arrival order keeps it that way (and keeps
         the recompute victims at the head of `waiting` in arrival order). Resuming swapped
         groups first instead would let a swapped group overtake an earlier one that fell back
         to recompute, and, preempted again, be queued ahead of it."""
-        if not self.swapped:
-            return self.waiting[0], False
+        group, swapped = self._next_preempted()
+        if group is not None:
+            return (group, swapped) if self.lora_admission.fits(group) else (None, False)
+        return self.lora_admission.first_fitting(self.waiting), False
+
+    def _next_preempted(self) -> tuple[SequenceGroup | None, bool]:
         head = self.waiting[0] if self.waiting else None
+        if not self.swapped:
+            return (head, False) if head is not None and head.num_preemptions else (None, False)
         if head is not None and head.num_preemptions:  # preempted for recompute
             if head.arrival_time < self.swapped[0].arrival_time:
                 return head, False
@@ -430,32 +447,8 @@ class Scheduler:
             seq.output_logprobs.append(record)
 
     def _step_beam_search(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:
-        """One beam search step: extend the chosen beams (forking a beam chosen more than once,
-        sharing its blocks) and free the pruned ones at once."""
         kv = self.kv_cache_manager
-        beams = list(group.seqs)
-        candidates = [output.beam_candidates[b.seq_id] for b in beams]
-        chosen = group.beam.step(beams, candidates, beams[0].num_output_tokens)
-        children: dict[int, list] = {}
-        for c in chosen:
-            children.setdefault(c.parent, []).append(c)
-        new_order = {}
-        for b, beam in enumerate(beams):
-            picks = children.get(b)
-            if not picks:
-                continue
-            for c in picks[1:]:  # fork before the parent itself is extended
-                child = beam.fork(group.new_seq_id(kv.req_to_blocks), beam.sample_index)
-                kv.fork(beam, child)
-                self._extend_beam(child, c)
-                new_order[id(c)] = child
-            self._extend_beam(beam, picks[0])
-            new_order[id(picks[0])] = beam
-        pruned = [b for i, b in enumerate(beams) if i not in children]
-        for beam in pruned:
-            kv.free(beam)
-        group.seqs[:] = [new_order[id(c)] for c in chosen]  # best first, like HF's beams
-        self._num_running_seqs += len(group.seqs) - len(beams)
+        self._num_running_seqs += step_beams(group, output.beam_candidates, kv)
         if group.beam.done:
             for beam in group.seqs:
                 kv.free(beam)
@@ -464,13 +457,6 @@ class Scheduler:
             group.seqs.clear()
             self.running.remove(group)
             self._remove(group)
-
-    @staticmethod
-    def _extend_beam(beam: Request, c) -> None:
-        beam.append_output_token(c.token_id)
-        beam.cumulative_logprob = c.cumulative_logprob
-        if c.record is not None:
-            beam.output_logprobs.append(c.record)
 
     def check_integrity(self) -> None:
         """The pools agree with the block tables, and only live sequences hold blocks: running

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from pagedllm.distributed.parallel import COMM_BYTES, cpu_group
 
 STEP, SHUTDOWN = 1, 2
-_NUM_SIZES = 8  # swap out, swap in, copies, tokens, requests, two logits row sets, groups
+# swap out, swap in, copies, tokens, requests, two logits row sets, groups, LoRA rows, LoRA loads
+_NUM_SIZES = 10
 MAX_KV_CACHE_GROUPS = 16
 HEADER = 1 + _NUM_SIZES + MAX_KV_CACHE_GROUPS  # kind, sizes, each group's table width
 
@@ -42,6 +43,10 @@ class StepInputs:
     block_tables: list[np.ndarray] = field(default_factory=list)  # per KV cache group, [R, B]
     prompt_logits_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [P]
     sample_logits_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [S]
+    # LoRA: each token's adapter slot (-1: none; empty: no adapter this step), and the
+    # (slot, LoRARequest) loads to make first (sent pickled: they carry paths)
+    lora_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # [T] or [0]
+    lora_loads: list = field(default_factory=list)
 
 
 def pairs(moves) -> np.ndarray:
@@ -64,12 +69,15 @@ def send_step(s: StepInputs) -> None:
     if len(tables) > MAX_KV_CACHE_GROUPS:
         raise ValueError(f"at most {MAX_KV_CACHE_GROUPS} KV cache groups with tensor parallelism")
     sizes = [len(s.swap_out), len(s.swap_in), len(s.copies), len(s.input_ids), len(s.query_lens),
-             len(s.prompt_logits_rows), len(s.sample_logits_rows), len(tables)]  # fmt: skip
+             len(s.prompt_logits_rows), len(s.sample_logits_rows), len(tables),
+             len(s.lora_slots), len(s.lora_loads)]  # fmt: skip
     parts = [s.swap_out, s.swap_in, s.copies, s.input_ids, s.positions, s.req_index,
              s.query_lens, s.seq_lens, s.prompt_logits_rows, s.sample_logits_rows,
-             *tables]  # fmt: skip
+             s.lora_slots, *tables]  # fmt: skip
     payload = np.concatenate([np.asarray(p, np.int64).ravel() for p in parts])
     _broadcast([STEP, *sizes, *(t.shape[1] for t in tables)], payload)
+    if s.lora_loads:
+        dist.broadcast_object_list([s.lora_loads], src=0, group=cpu_group())
 
 
 def send_shutdown() -> None:
@@ -83,16 +91,21 @@ def receive() -> StepInputs | None:
     h = head.tolist()
     if h[0] == SHUTDOWN:
         return None
-    n_out, n_in, n_copy, tokens, reqs, n_prompt, n_sample, groups = h[1 : 1 + _NUM_SIZES]
+    n_out, n_in, n_copy, tokens, reqs, n_prompt, n_sample, groups, n_lora, n_loads = h[
+        1 : 1 + _NUM_SIZES
+    ]
     widths = h[1 + _NUM_SIZES : 1 + _NUM_SIZES + groups]
     sizes = [2 * n_out, 2 * n_in, 2 * n_copy, tokens, tokens, tokens, reqs, reqs, n_prompt,
-             n_sample, *(reqs * w for w in widths)]  # fmt: skip
+             n_sample, n_lora, *(reqs * w for w in widths)]  # fmt: skip
     parts = np.split(_payload(sum(sizes)), np.cumsum(sizes)[:-1])
+    loads = [None]
+    if n_loads:
+        dist.broadcast_object_list(loads, src=0, group=cpu_group())
     return StepInputs(
         parts[0].reshape(-1, 2), parts[1].reshape(-1, 2), parts[2].reshape(-1, 2),
         parts[3], parts[4], parts[5], parts[6], parts[7],
-        [p.reshape(reqs, w).astype(np.int32) for p, w in zip(parts[10:], widths, strict=True)],
-        parts[8], parts[9],
+        [p.reshape(reqs, w).astype(np.int32) for p, w in zip(parts[11:], widths, strict=True)],
+        parts[8], parts[9], parts[10], loads[0] or [],
     )  # fmt: skip
 
 

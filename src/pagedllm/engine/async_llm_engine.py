@@ -89,6 +89,7 @@ class AsyncLLMEngine:
         request_id: str,
         delta: bool = False,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Bad input raises ValueError on the first
         iteration. Leaving the loop early (a client disconnects, the task is cancelled) aborts
@@ -104,7 +105,9 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self.check_health()
             raise EngineDeadError("the server is shutting down")
-        self._commands.put(("add", request_id, prompt, params, time.time(), delta, cache_salt))
+        self._commands.put(
+            ("add", request_id, prompt, params, time.time(), delta, cache_salt, lora_request)
+        )
         finished = False
         try:
             while True:
@@ -216,12 +219,12 @@ class AsyncLLMEngine:
                     except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
                         future.set_exception(e)
                 continue
-            _, request_id, prompt, params, arrival, delta, cache_salt = command
+            _, request_id, prompt, params, arrival, delta, cache_salt, lora = command
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # its client left before the request was added
             try:
-                engine.add_request(request_id, prompt, params, arrival, delta, cache_salt)
+                engine.add_request(request_id, prompt, params, arrival, delta, cache_salt, lora)
             except ValueError as e:
                 stream.put(e)
             except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
+from pagedllm.lora_request import LoRARequest
+from pagedllm.model_loader.lora_adapter import load_lora_adapter
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
@@ -27,6 +29,7 @@ class InputProcessor:
             if tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(tokenizer.eos_token_id)
         self._structured_output_manager: StructuredOutputManager | None = None  # on first use
+        self._checked_loras: dict[int, str] = {}  # adapter id -> its path, once read and checked
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -46,6 +49,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None,
         cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """The request's first sequence (its group is `request.group`); ValueError if it is
         one the engine must refuse."""
@@ -62,6 +66,8 @@ class InputProcessor:
                 f"--kv-allocation {allocation} runs one sequence per request: "
                 "n, best_of and beam search need paged KV blocks"
             )
+        if lora_request is not None:
+            self.check_lora(lora_request)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         vocab = config.model.arch.vocab_size
@@ -79,10 +85,28 @@ class InputProcessor:
             text,
             arrival_time,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         if params.structured_outputs is not None:
             request.grammar = self._structured_outputs().grammar(params.structured_outputs)
         return request
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError unless LoRA is on and the adapter can run on this model (read once per
+        adapter id; an id names one adapter)."""
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        path = self._checked_loras.get(lora_request.lora_int_id)
+        if path is not None:
+            if path != lora_request.lora_path:
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} already names the adapter at "
+                    f"{path}: give another adapter another id"
+                )
+            return
+        load_lora_adapter(lora_request.lora_path, self.config.model.arch, lora.max_lora_rank)
+        self._checked_loras[lora_request.lora_int_id] = lora_request.lora_path
 
     def _structured_outputs(self) -> StructuredOutputManager:
         if self.tokenizer is None:

@@ -20,6 +20,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_snapshot import kv_snapshot
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor, create_executor
+from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
@@ -171,14 +172,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         delta: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; `delta=True` makes each output carry only the new text and tokens.
-        Requests share prefix-cached blocks only with requests of the same `cache_salt`."""
+        Requests share prefix-cached blocks only with requests of the same `cache_salt` and
+        LoRA adapter (`lora_request`, with --enable-lora)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        request = self.input_processor.process(
+            request_id, prompt, params, arrival_time, cache_salt, lora_request
+        )
         self.output_processor.add_request(request.group, delta)
         self.scheduler.add_request(request)
         return request_id

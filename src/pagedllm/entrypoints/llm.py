@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -52,7 +53,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt (needs
+        LLM(enable_lora=True))."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -63,11 +67,18 @@ class LLM:
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts: "
                 "give one, or one per prompt"
             )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(
+                f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts: "
+                "give one, or one per prompt"
+            )
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params, strict=True):
-                ids.append(engine.add_request(None, prompt, params))
+            for prompt, params, lora in zip(prompts, sampling_params, lora_request, strict=True):
+                ids.append(engine.add_request(None, prompt, params, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

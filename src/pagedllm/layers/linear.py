@@ -71,12 +71,16 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # LoRA slots (layers/lora.py), attached by the worker with --enable-lora
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None = None):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(y, x)
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -220,4 +224,6 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if tp_group().rank == 0 else None
         y = self.quant_method.apply(self, x, bias)
+        if self.lora is not None:  # this rank's input columns: a partial sum, reduced with y's
+            self.lora.apply(y, x)
         return all_reduce(y) if self.reduce_results else y

@@ -162,12 +162,18 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.embedding_multiplier = config.embedding_multiplier
         self.fused: FusedDecoder | None = None  # LlamaForCausalLM.fuse_decoder sets it
+        self.lora = None  # a LoRAContext (layers/lora.py): steps with adapter rows run unfused
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.embedding_multiplier
-        if self.fused is not None and self.fused.applies(len(input_ids), attn_metadata):
+        lora_rows = self.lora is not None and self.lora.mapping is not None
+        if (
+            self.fused is not None
+            and not lora_rows
+            and self.fused.applies(len(input_ids), attn_metadata)
+        ):
             return self.fused(hidden_states, positions, kv_caches, attn_metadata)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None

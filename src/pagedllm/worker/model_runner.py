@@ -26,6 +26,7 @@ from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, beam_candidates, gather_logprobs
 from pagedllm.spec_decode import Proposer
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
+from pagedllm.worker.lora_manager import LoRAManager
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: str = "auto",
         proposer: Proposer | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -70,6 +72,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         # Speculative decoding: proposes each sampled request's drafts for the next step.
         self.proposer = proposer
+        self.lora = lora  # the model's LoRA slots (--enable-lora)
         # Per request id: sample index -> the generator of a seeded sample, created on its first
         # token and carried across steps (and preemptions) until the request finishes.
         self.generators: dict[str, dict[int, torch.Generator]] = {}
@@ -172,7 +175,19 @@ class ModelRunner:
             prompt_logits_rows=np.asarray(prompt_rows, np.int64),
             sample_logits_rows=ends + back,
         )  # fmt: skip
+        if self.lora is not None:
+            self._plan_lora(reqs, num_scheduled, step)
         return step, plan
+
+    def _plan_lora(self, reqs: list[Request], num_scheduled: np.ndarray, step: StepInputs):
+        """Each token's adapter slot, and the slots to fill first."""
+        adapters = {r.lora_request.lora_int_id: r.lora_request for r in reqs if r.lora_request}
+        if not adapters:
+            return
+        slots, step.lora_loads = self.lora.plan(list(adapters.values()))
+        req_slots = [-1 if r.lora_request is None else slots[r.lora_request.lora_int_id]
+                     for r in reqs]  # fmt: skip
+        step.lora_slots = np.repeat(np.array(req_slots, np.int64), num_scheduled)
 
     def _plan_prompt_logprobs(self, so: SchedulerOutput, plan: StepPlan) -> list[int]:
         """The rows scoring prompt tokens, for requests asking prompt_logprobs: every prompt
@@ -207,7 +222,15 @@ class ModelRunner:
         )
         input_ids = torch.from_numpy(step.input_ids).to(self.device)
         positions = torch.from_numpy(step.positions).to(self.device)
-        hidden = self.model(input_ids, positions, kv.layers, meta)
+        if self.lora is not None:
+            for slot, lora_request in step.lora_loads:
+                self.lora.load(slot, lora_request)
+            self.lora.set_mapping(step.lora_slots)
+        try:
+            hidden = self.model(input_ids, positions, kv.layers, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.set_mapping(None)
         return StepLogits(
             self._logits(hidden, step.prompt_logits_rows),
             self._logits(hidden, step.sample_logits_rows),

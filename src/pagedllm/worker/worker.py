@@ -21,6 +21,7 @@ from pagedllm.model_loader.build import build_model
 from pagedllm.model_loader.loader import load_draft_model_config
 from pagedllm.spec_decode import Proposer, make_proposer
 from pagedllm.worker.drafter import DraftModelProposer
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -51,6 +52,7 @@ class Worker:
         self._cache_configs: tuple[CacheConfig, SchedulerConfig] | None = None
         self.draft_model: torch.nn.Module | None = None  # speculative decoding's draft_model
         self.draft_model_config: ModelConfig | None = None
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots
 
     def init_device(self) -> None:
         """The seed, this rank's share of the CPU cores, and its GPU (one per rank)."""
@@ -75,6 +77,14 @@ class Worker:
             self.config.model, self.config.load, self.device, self.attention_backend
         )
         self.model, self.weight_bytes = built.model, built.weight_bytes
+        if self.config.lora is not None:
+            self.lora = LoRAManager(
+                self.model, self.config.lora, self.config.model.arch, self.dtype, self.device
+            )
+            self.weight_bytes += self.lora.slot_bytes
+            logger.info("LoRA: %d slots of rank %d, %.0f MiB",
+                        self.config.lora.max_loras, self.config.lora.max_lora_rank,
+                        self.lora.slot_bytes / 2**20)  # fmt: skip
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model" and self.rank == 0:
             self.draft_model_config = self._draft_model_config(spec)
@@ -120,6 +130,7 @@ class Worker:
         self.model_runner = ModelRunner(
             self.model, m.arch, cache.block_size, self.device, cache_dtype, seed=m.seed,
             attention_backend=self.attention_backend, proposer=self._proposer(cache, cache_dtype),
+            lora=self.lora,
         )  # fmt: skip
         return True
 
