@@ -267,6 +267,23 @@ class LLMEngine:
             **self._spec_decode_stats(),
         }
 
+    def lora_stats(self) -> dict | None:
+        """The adapters of running and of waiting (or swapped) requests, by name, and the
+        slots (vLLM's lora_requests_info); None without --enable-lora."""
+        if self.config.lora is None:
+            return None
+        s = self.scheduler
+
+        def names(groups) -> list[str]:
+            loras = (g.first.lora_request for g in groups)
+            return sorted({lora.lora_name for lora in loras if lora is not None})
+
+        return {
+            "running": names(list(s.running)),
+            "waiting": names([*s.waiting, *s.swapped]),
+            "max_lora": self.config.lora.max_loras,
+        }
+
     def _spec_decode_stats(self) -> dict:
         """Speculative decoding's counters (vLLM's names), when it is on."""
         if self.config.speculative is None:

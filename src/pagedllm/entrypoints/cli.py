@@ -94,10 +94,10 @@ def _text_or_file(value: str) -> str:
         raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
 
 
-def _stream(engine, prompt, params) -> tuple[str, int, float]:
+def _stream(engine, prompt, params, lora=None) -> tuple[str, int, float]:
     """Run one request, printing text as it arrives; returns (text, tokens, seconds)."""
     start = time.perf_counter()
-    request_id = engine.add_request(None, prompt, params, delta=True)
+    request_id = engine.add_request(None, prompt, params, delta=True, lora_request=lora)
     text, num_tokens = [], 0
     try:
         while engine.has_unfinished_requests():
@@ -117,7 +117,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
 
     params = sampling_params_from(ns)  # bad sampling flags fail before the model loads
-    engine = LLMEngine(engine_args_from(ns))
+    args = engine_args_from(ns)
+    lora = None
+    if ns.lora is not None:
+        from pagedllm.lora_request import LoRARequest
+
+        args.enable_lora = True
+        lora = LoRARequest("lora", 1, ns.lora)
+    engine = LLMEngine(args)
     prompt = ns.prompt if ns.prompt is not None else sys.stdin.read()
     if ns.chat_template_off:
         full_prompt = prompt
@@ -126,7 +133,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if ns.system:
             messages.insert(0, {"role": "system", "content": ns.system})
         full_prompt = _chat_prompt(engine, messages)
-    _, num_tokens, seconds = _stream(engine, full_prompt, params)
+    _, num_tokens, seconds = _stream(engine, full_prompt, params, lora)
     print(f"[{num_tokens} tokens in {seconds:.2f} s, {num_tokens / seconds:.1f} tokens/s]",
           file=sys.stderr)  # fmt: skip
     return 0
@@ -199,7 +206,18 @@ def server_config_from(ns: argparse.Namespace):
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         enable_dashboard=ns.enable_dashboard,
+        lora_modules=_lora_modules(ns.lora_modules),
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
+
+
+def _lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
+    from pagedllm.entrypoints.openai.lora import parse_lora_modules
+
+    try:
+        return parse_lora_modules(specs)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -278,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", dest="chat_template_off", action="store_true",
                      help="send the prompt as it is, without the chat template")  # fmt: skip
     gen.add_argument("--system", default=None, help="a system message")
+    gen.add_argument(
+        "--lora",
+        default=None,
+        metavar="PATH",
+        help="run with this LoRA adapter (a PEFT directory or a GGUF LoRA file)",
+    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -323,6 +347,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=128,
         help="most prompts in one /v1/completions request (default: 128)",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served as model names (needs --enable-lora)",
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
     )
     serve.add_argument("--chat-template", default=None,
                        help="a chat template file, or the template itself")  # fmt: skip

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai import dashboard
+from pagedllm.entrypoints.openai.lora import LoRARegistry, add_lora_routes
 from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -149,8 +150,9 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(async_engine.engine, served_model_name))
     metrics = RequestMetrics(registry, served_model_name)
-    completions = OpenAIServingCompletion(async_engine, config, metrics)
-    chat = OpenAIServingChat(async_engine, config, metrics)
+    loras = _lora_registry(async_engine, config)
+    completions = OpenAIServingCompletion(async_engine, config, metrics, loras)
+    chat = OpenAIServingChat(async_engine, config, metrics, loras)
     app.state.async_engine = async_engine
 
     @app.exception_handler(OpenAIError)
@@ -227,7 +229,11 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             root=async_engine.engine.args.model or async_engine.engine.model_name,
             max_model_len=async_engine.engine.max_model_len,
         )
-        return ModelList(data=[card])
+        adapters = [] if loras is None else loras.cards(card.max_model_len)
+        return ModelList(data=[card, *adapters])
+
+    if loras is not None and config.allow_runtime_lora_updating:
+        add_lora_routes(app, loras)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
@@ -266,6 +272,18 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
 
     return app
+
+
+def _lora_registry(async_engine: AsyncLLMEngine, config: ServerConfig) -> LoRARegistry | None:
+    """The served adapters (--lora-modules, each checked now: a bad one stops the start)."""
+    if async_engine.engine.config.lora is None:
+        if config.lora_modules or config.allow_runtime_lora_updating:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        return None
+    loras = LoRARegistry(async_engine, config.served_model_name)
+    for name, path in config.lora_modules:
+        loras.add(name, path)
+    return loras
 
 
 class _Server(uvicorn.Server):

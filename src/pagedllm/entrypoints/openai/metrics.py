@@ -47,6 +47,19 @@ class EngineStatsCollector:
             yield metric
         if "spec_decode_num_drafts" in stats:
             yield from _spec_decode_metrics(stats, labels, value)
+        lora = self.engine.lora_stats()
+        if lora is not None:
+            # vLLM's / the Gateway API inference extension's: the adapters in the labels, the
+            # time of the reading as the value; a router reads which adapters are loaded here.
+            metric = GaugeMetricFamily(
+                "pagedllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )  # fmt: skip
+            metric.add_metric(
+                [",".join(lora["running"]), ",".join(lora["waiting"]), str(lora["max_lora"])],
+                time.time(),
+            )
+            yield metric
 
 
 def _spec_decode_metrics(stats: dict, labels: list[str], value: list[str]):

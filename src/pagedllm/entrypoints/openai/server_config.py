@@ -57,6 +57,10 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     enable_dashboard: bool = True  # the live KV-cache dashboard (/dashboard, /debug/kv)
+    # LoRA adapters served as model names (name, path), with --enable-lora; and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM gates them likewise)
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
     def named(self, default: str) -> ServerConfig:
         """This config with its served_model_name filled in (`default`: the engine's name)."""

@@ -68,8 +68,10 @@ class OpenAIServing:
         async_engine: AsyncLLMEngine,
         config: ServerConfig,
         metrics: RequestMetrics | None = None,
+        loras=None,
     ) -> None:
         self.async_engine = async_engine
+        self.loras = loras  # the served LoRA adapters (lora.LoRARegistry), or None
         self.engine = async_engine.engine
         self.config = config  # its served_model_name filled in (build_app)
         self.metrics = metrics
@@ -81,7 +83,7 @@ class OpenAIServing:
     async def create(self, body, raw: Request):
         """Checks (model, health, sampling parameters, limits, prompts and their lengths), the
         engine's generators, then the stream or, once every output is final, the response."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_health()
         params = self.sampling_params(body)
         self.check_limits(params)
@@ -92,7 +94,7 @@ class OpenAIServing:
             self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id(self.id_prefix)
         self.log_request(request_id, prompts, params)
-        gens = self.generators(prompts, params, request_id, delta=body.stream)
+        gens = self.generators(prompts, params, request_id, delta=body.stream, lora=lora)
         if body.stream:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
             stream = await unless_disconnected(raw, self.first_and_rest(gens))
@@ -140,9 +142,21 @@ class OpenAIServing:
         raise NotImplementedError
 
     # -- the steps ------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None):
+        """The LoRA adapter `model` names (None: the base model); a 404 for an unknown name."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+        return None
+
+    def model_name(self, body) -> str:
+        """The name the answer gives: the adapter's, or the base model's."""
+        return (
+            body.model
+            if self.loras is not None and body.model in self.loras.adapters
+            else (self.served_model_name)
+        )
 
     def check_health(self) -> None:
         try:
@@ -237,10 +251,13 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         delta: bool,
+        lora=None,
     ) -> list[AsyncIterator[RequestOutput]]:
         self.check_queue(len(prompts))
         gens = [
-            self.async_engine.generate(prompt, params, f"{request_id}-{i}", delta=delta)
+            self.async_engine.generate(
+                prompt, params, f"{request_id}-{i}", delta=delta, lora_request=lora
+            )
             for i, prompt in enumerate(prompts)
         ]
         if self.metrics is not None:

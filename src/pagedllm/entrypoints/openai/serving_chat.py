@@ -173,7 +173,7 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=prompt_tokens + completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=usage
+            id=request_id, model=self.model_name(body), choices=choices, usage=usage
         )
 
     async def stream_chunks(
@@ -185,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        model = self.served_model_name
+        model = self.model_name(body)
         num_logprobs = self._num_logprobs(body)
         usage = UsageInfo()
         tool_streams = {}

@@ -151,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda ch: ch.index)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=usage
+            id=request_id, model=self.model_name(body), choices=choices, usage=usage
         )
 
     async def stream_chunks(
@@ -163,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
         stream: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        model = self.served_model_name
+        model = self.model_name(body)
         offsets: dict[int, int] = {}  # choice index -> characters sent so far
         usage = UsageInfo()
         counted_prompts = set()
