@@ -171,3 +171,55 @@ def test_lora_needs_enable_lora(tiny_base, adapters):
     with pytest.raises(ValueError, match="--enable-lora"):
         llm.generate({"prompt_token_ids": [5]}, use_tqdm=False,
                      lora_request=_request(adapters, 0))  # fmt: skip
+
+
+def test_tensor_parallel_adapters_equal_peft(tiny_base, adapters):
+    """Two ranks: A cut like the base weight's input for o_proj / down_proj, B like its output
+    for the column-parallel ones; slots filled on both ranks as rank 0 plans them."""
+    llm = _llm(tiny_base[0], tensor_parallel_size=2)
+    try:
+        jobs = [(p, a) for p in (0, 2) for a in (None, 2, 4, 1)]
+        _check(_run(llm, adapters, jobs), adapters, jobs)
+    finally:
+        llm.shutdown()
+
+
+def test_beam_search_with_an_adapter_equals_peft(tiny_base, adapters, tmp_path):
+    from pagedllm import BeamSearchParams
+    from tests.engine.test_beam_search_parity import assert_matches_hf, hf_beam_search
+
+    path, base = tiny_base
+    model = make_adapter(base, str(tmp_path / "beam"), ALL, 8, 16, seed=10 + 2)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    expected = [hf_beam_search(model, p, beam_width=3, max_tokens=10, length_penalty=1.0,
+                               early_stopping=False, eos=[2], pad=0) for p in prompts]  # fmt: skip
+    llm = _llm(path)
+    params = BeamSearchParams(beam_width=3, max_tokens=10)
+    lora = LoRARequest("beam", 99, str(tmp_path / "beam"))
+    results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params,
+                              lora_request=lora)  # fmt: skip
+    assert_matches_hf(results, prompts, expected, 1.0)
+
+
+def test_structured_output_with_an_adapter(adapters, tmp_path):
+    """A grammar constrains an adapter's tokens as the base model's (tokenizer: the default
+    model's, on a tiny model of its vocabulary)."""
+    from tests.conftest import save_tiny_llama
+
+    base = save_tiny_llama(tmp_path / "base", vocab_size=49152, max_position_embeddings=512)
+    make_adapter(base, str(tmp_path / "a"), ALL, 8, 16)
+    llm = LLM(model=str(tmp_path / "base"), tokenizer="SmolLM2-135M-Instruct", dtype="float32",
+              kv_cache_memory="16MiB", max_model_len=256, enable_lora=True)  # fmt: skip
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-d]{6}")
+    )
+    outs = llm.generate(
+        ["x", "x"],
+        params,
+        use_tqdm=False,
+        lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None],
+    )
+    texts = [o.outputs[0].text for o in outs]
+    assert all(len(t) == 6 and set(t) <= set("abcd") for t in texts), texts

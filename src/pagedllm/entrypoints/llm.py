@@ -89,6 +89,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's API): one `BeamSearchOutput` per prompt, holding
         the `beam_width` best finished beams, best first (by cumulative logprob / generated
@@ -98,7 +99,7 @@ class LLM:
         # Per output token, the beam's top 2 x beam_width candidates (vLLM's choice), which the
         # runner has at hand anyway.
         sampling_params.logprobs = min(2 * params.beam_width, _MAX_LOGPROBS)
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         results = []
         for output in outputs:
             prompt_ids = list(output.prompt_token_ids)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm import kernels
+
 
 class LoRAMapping:
     """A step's rows -> adapter slots, as the layers use them: per slot in the step, the rows
@@ -56,13 +58,19 @@ class LoRASlots:
         output_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        fixed_order: bool = False,
     ) -> None:
+        """fixed_order (--deterministic): the products in the kernels' fixed order, so a row's
+        result does not depend on the other rows of the step (docs/determinism.md)."""
         self.context = context
+        self.fixed_order = fixed_order
         self.num_parts, self.max_rank = num_parts, max_rank
         columns = num_parts * max_rank
         self.a = torch.zeros(num_slots, columns, input_size, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, output_size, columns, dtype=dtype, device=device)
         self.columns = [0] * num_slots  # parts x the adapter's rank: the columns in use
+        # fixed_order's kernel takes a contiguous weight: each slot's B columns in use, copied
+        self.b_used: list[torch.Tensor | None] = [None] * num_slots
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Fill a slot with one adapter's packed A [c, in] and B [out, c] (None: this
@@ -76,6 +84,8 @@ class LoRASlots:
         self.a[slot, :c].copy_(a)
         self.b[slot, :, :c].copy_(b)
         self.columns[slot] = c
+        if self.fixed_order:
+            self.b_used[slot] = self.b[slot, :, :c].contiguous()
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y [T, out] += each row's adapter product, in place."""
@@ -87,12 +97,26 @@ class LoRASlots:
 
             add_lora_triton(y, x, self.a, self.b, mapping.row_slots)
             return
+        fixed = self.fixed_order and kernels.fixed_order(x)
         for slot, rows in mapping.segments:
             c = self.columns[slot]
             if not c:
                 continue
             a, b = self.a[slot, :c], self.b[slot, :, :c]
-            if rows is None:
+            if rows is None and not fixed:
                 y.addmm_(x @ a.t(), b.t())
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            if fixed:
+                d = _fixed_order(_fixed_order(xs, a), self.b_used[slot])
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                d = (xs @ a.t()) @ b.t()
+            if rows is None:
+                y += d
+            else:
+                y.index_add_(0, rows, d)
+
+
+def _fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    dense = kernels.cpu_ops().dense_linear
+    return kernels.in_float32(lambda x32: dense(x32.contiguous(), weight, None), x)

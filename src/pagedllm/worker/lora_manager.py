@@ -34,7 +34,9 @@ class LoRAManager:
         arch: ModelArchConfig,
         dtype: torch.dtype,
         device: torch.device,
+        fixed_order: bool = False,
     ) -> None:
+        """fixed_order: --deterministic's batch-invariant products (layers/lora.py)."""
         self.config, self.arch, self.dtype, self.device = config, arch, dtype, device
         self.context = LoRAContext()
         # Every projection of the decoder layers, with the HF names of its parts (q/k/v of a
@@ -49,6 +51,7 @@ class LoRAManager:
             module.lora = LoRASlots(
                 self.context, config.max_loras, len(parts), config.max_lora_rank,
                 module.input_size_per_partition, module.output_size_per_partition, dtype, device,
+                fixed_order,
             )  # fmt: skip
             self.layers.append((name, module, parts))
         decoder = getattr(model, "model", None)
