@@ -410,13 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve (the experiments "
                            "are the checkout's python -m benchmarks.<name>)")  # fmt: skip
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.bench import latency, throughput
+    from pagedllm.bench import latency, lora, throughput
     from pagedllm.bench import serve as serve_bench
 
     # Offline benchmarks: each takes every engine flag plus its own.
     for name, module, help_ in (
         ("throughput", throughput, "offline throughput on a sharegpt-like workload"),
         ("latency", latency, "end-to-end latency of one batch of requests, as vllm bench latency"),
+        ("lora", lora, "multi-LoRA throughput over 1, 4, 16 adapters against the base model"),
     ):
         bench_parser = bench_sub.add_parser(name, help=help_)
         add_engine_args(bench_parser)

@@ -27,7 +27,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
     for name in ("paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp", "quant_linear.cpp",
-                 "dense_linear.cpp", "decoder.cpp")
+                 "dense_linear.cpp", "decoder.cpp", "lora.cpp")
 ]  # fmt: skip
 HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h", CSRC / "linear_tiles.h"]
 

@@ -58,19 +58,18 @@ class LoRASlots:
         output_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        fixed_order: bool = False,
     ) -> None:
-        """fixed_order (--deterministic): the products in the kernels' fixed order, so a row's
-        result does not depend on the other rows of the step (docs/determinism.md)."""
         self.context = context
-        self.fixed_order = fixed_order
         self.num_parts, self.max_rank = num_parts, max_rank
-        columns = num_parts * max_rank
-        self.a = torch.zeros(num_slots, columns, input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, output_size, columns, dtype=dtype, device=device)
-        self.columns = [0] * num_slots  # parts x the adapter's rank: the columns in use
-        # fixed_order's kernel takes a contiguous weight: each slot's B columns in use, copied
-        self.b_used: list[torch.Tensor | None] = [None] * num_slots
+        r = num_parts * max_rank
+        self.a = torch.zeros(num_slots, r, input_size, dtype=dtype, device=device)
+        # B by rank on CPU ([slots, r, out]: the kernel's expand reads outputs in a row), by
+        # output for the Triton kernel ([slots, out, r])
+        by_output = device.type == "cuda"
+        shape = (num_slots, output_size, r) if by_output else (num_slots, r, output_size)
+        self.b = torch.zeros(shape, dtype=dtype, device=device)
+        # parts x the adapter's rank: the columns in use (a tensor: the C++ kernels read it)
+        self.columns = torch.zeros(num_slots, dtype=torch.long)
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Fill a slot with one adapter's packed A [c, in] and B [out, c] (None: this
@@ -82,10 +81,11 @@ class LoRASlots:
             return
         c = a.shape[0]
         self.a[slot, :c].copy_(a)
-        self.b[slot, :, :c].copy_(b)
+        if self.b.device.type == "cuda":
+            self.b[slot, :, :c].copy_(b)
+        else:
+            self.b[slot, :c].copy_(b.t())
         self.columns[slot] = c
-        if self.fixed_order:
-            self.b_used[slot] = self.b[slot, :, :c].contiguous()
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y [T, out] += each row's adapter product, in place."""
@@ -96,27 +96,14 @@ class LoRASlots:
             from pagedllm.layers.lora_triton import add_lora_triton
 
             add_lora_triton(y, x, self.a, self.b, mapping.row_slots)
-            return
-        fixed = self.fixed_order and kernels.fixed_order(x)
-        for slot, rows in mapping.segments:
-            c = self.columns[slot]
-            if not c:
-                continue
-            a, b = self.a[slot, :c], self.b[slot, :, :c]
-            if rows is None and not fixed:
-                y.addmm_(x @ a.t(), b.t())
-                continue
-            xs = x if rows is None else x.index_select(0, rows)
-            if fixed:
-                d = _fixed_order(_fixed_order(xs, a), self.b_used[slot])
-            else:
-                d = (xs @ a.t()) @ b.t()
-            if rows is None:
-                y += d
-            else:
-                y.index_add_(0, rows, d)
-
-
-def _fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    dense = kernels.cpu_ops().dense_linear
-    return kernels.in_float32(lambda x32: dense(x32.contiguous(), weight, None), x)
+        elif kernels.fixed_order(x):  # the C++ kernel: each row alone, batch invariant
+            kernels.cpu_ops().add_lora(
+                y, x.contiguous(), self.a, self.b, mapping.row_slots, self.columns
+            )
+        else:
+            for slot, rows in mapping.segments:
+                c = int(self.columns[slot])
+                if c:
+                    xs = x if rows is None else x.index_select(0, rows)
+                    d = (xs @ self.a[slot, :c].t()) @ self.b[slot, :c]
+                    y.index_add_(0, rows, d) if rows is not None else y.add_(d)

@@ -44,9 +44,12 @@ def _float_linear(layer: nn.Module, weight: torch.Tensor, dtype: torch.dtype, bi
 def _linear(layer: nn.Module, dtype: torch.dtype):
     """The kernel's view of a linear layer (layers/linear.py), by its quant_method; in fixed
     order (--deterministic) as the method computes it then."""
-    linear = _by_method(layer, dtype)
+    ops, linear = kernels.cpu_ops(), _by_method(layer, dtype)
     if getattr(layer.quant_method, "fixed_order", False):
-        return kernels.cpu_ops().Linear.fixed_order(linear)
+        linear = ops.Linear.fixed_order(linear)
+    lora = layer.lora
+    if lora is not None:  # its slots' tensors, shared (layers/lora.py)
+        linear = ops.Linear.with_lora(linear, lora.a, lora.b, lora.columns)
     return linear
 
 
@@ -116,9 +119,11 @@ class FusedDecoder:
             and not torch.is_grad_enabled()
         )
 
-    def __call__(self, hidden_states, positions, kv_caches, meta: AttentionMetadata):
-        """The embeddings [T, hidden] -> the final norm's output, as LlamaModel's layers."""
+    def __call__(self, hidden_states, positions, kv_caches, meta: AttentionMetadata,
+                 lora_slots: torch.Tensor | None = None):  # fmt: skip
+        """The embeddings [T, hidden] -> the final norm's output, as LlamaModel's layers;
+        lora_slots: each row's adapter slot (layers/lora.py), None without adapter rows."""
         return self.decoder.forward(
             hidden_states, positions, kv_caches, meta.slot_mapping, meta.block_tables,
-            meta.seq_lens, meta.query_start_loc,
+            meta.seq_lens, meta.query_start_loc, lora_slots,
         )  # fmt: skip

@@ -162,19 +162,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.embedding_multiplier = config.embedding_multiplier
         self.fused: FusedDecoder | None = None  # LlamaForCausalLM.fuse_decoder sets it
-        self.lora = None  # a LoRAContext (layers/lora.py): steps with adapter rows run unfused
+        self.lora = None  # a LoRAContext (layers/lora.py), with --enable-lora
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.embedding_multiplier
-        lora_rows = self.lora is not None and self.lora.mapping is not None
-        if (
-            self.fused is not None
-            and not lora_rows
-            and self.fused.applies(len(input_ids), attn_metadata)
-        ):
-            return self.fused(hidden_states, positions, kv_caches, attn_metadata)
+        if self.fused is not None and self.fused.applies(len(input_ids), attn_metadata):
+            mapping = None if self.lora is None else self.lora.mapping
+            lora_slots = None if mapping is None else mapping.row_slots
+            return self.fused(hidden_states, positions, kv_caches, attn_metadata, lora_slots)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -34,9 +34,7 @@ class LoRAManager:
         arch: ModelArchConfig,
         dtype: torch.dtype,
         device: torch.device,
-        fixed_order: bool = False,
     ) -> None:
-        """fixed_order: --deterministic's batch-invariant products (layers/lora.py)."""
         self.config, self.arch, self.dtype, self.device = config, arch, dtype, device
         self.context = LoRAContext()
         # Every projection of the decoder layers, with the HF names of its parts (q/k/v of a
@@ -51,12 +49,13 @@ class LoRAManager:
             module.lora = LoRASlots(
                 self.context, config.max_loras, len(parts), config.max_lora_rank,
                 module.input_size_per_partition, module.output_size_per_partition, dtype, device,
-                fixed_order,
             )  # fmt: skip
             self.layers.append((name, module, parts))
         decoder = getattr(model, "model", None)
         if decoder is not None and hasattr(decoder, "lora"):
-            decoder.lora = self.context  # the fused decoder steps aside for adapter rows
+            decoder.lora = self.context
+            if decoder.fused is not None:  # again, now with the layers' slots
+                model.fuse_decoder()
         self.slot_ids: list[int | None] = [None] * config.max_loras  # adapter id per slot
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recent first
         self.cpu_cache: OrderedDict[int, Packed] = OrderedDict()

@@ -79,9 +79,8 @@ class Worker:
         self.model, self.weight_bytes = built.model, built.weight_bytes
         if self.config.lora is not None:
             self.lora = LoRAManager(
-                self.model, self.config.lora, self.config.model.arch, self.dtype, self.device,
-                fixed_order=self.config.model.deterministic,
-            )  # fmt: skip
+                self.model, self.config.lora, self.config.model.arch, self.dtype, self.device
+            )
             self.weight_bytes += self.lora.slot_bytes
             logger.info("LoRA: %d slots of rank %d, %.0f MiB",
                         self.config.lora.max_loras, self.config.lora.max_lora_rank,

@@ -33,6 +33,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
   return op.call(x, packed_weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
+// A projection's LoRA slots (layers/lora.py's tensors, shared: loads into a slot show here).
+struct LoRA {
+  at::Tensor a, bt, columns;
+};
+
 // One projection, as the Python layer it stands for computes it.
 struct Linear {
   enum Kind { kDense, kPacked, kInt4, kInt8 };
@@ -47,8 +52,15 @@ struct Linear {
   // widened to float32 before and the result rounded after, as layers/quantization does; but
   // int4 codes take bfloat16 x as it is where int4_takes_bf16 (invariant in its own order).
   bool fixed_order = false;
+  std::shared_ptr<const LoRA> lora;  // with --enable-lora: added for rows with an adapter slot
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& lora_slots) const {
+    at::Tensor y = base(x);
+    if (lora && lora_slots) add_lora(y, x.contiguous(), lora->a, lora->bt, *lora_slots, lora->columns);
+    return y;
+  }
+
+  at::Tensor base(const at::Tensor& x) const {
     const bool bf16_codes = kind == kInt4 && x.scalar_type() == at::kBFloat16 && int4_takes_bf16(x.size(1));
     if (fixed_order && x.scalar_type() != at::kFloat && !bf16_codes)
       return product(x.to(at::kFloat)).to(x.scalar_type());
@@ -56,7 +68,7 @@ struct Linear {
   }
 
   at::Tensor product(const at::Tensor& x) const {
-    if (many_rows && x.size(0) > max_code_rows) return (*many_rows)(x);
+    if (many_rows && x.size(0) > max_code_rows) return many_rows->base(x);
     switch (kind) {
       case kDense:
         if (fixed_order) return dense_linear(x, weights[0], bias);
@@ -97,7 +109,8 @@ class LlamaDecoder {
   at::Tensor forward(at::Tensor hidden, const at::Tensor& positions,
                      const std::vector<std::pair<at::Tensor, at::Tensor>>& kv_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const std::optional<at::Tensor>& lora_slots) const {
     TORCH_CHECK(!layers_.empty() && kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden: [tokens, hidden], contiguous");
     const int64_t T = hidden.size(0), d = head_dim_;
@@ -112,7 +125,7 @@ class LlamaDecoder {
         normed = at::empty_like(h);
         rms_norm(normed, h, layer.input_norm, residual, eps_);
       }
-      const at::Tensor qkv = layer.qkv(normed);
+      const at::Tensor qkv = layer.qkv(normed, lora_slots);
       const at::Tensor q = qkv.narrow(1, 0, q_size);
       const at::Tensor k = qkv.narrow(1, q_size, kv_size);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -124,13 +137,13 @@ class LlamaDecoder {
       at::Tensor attn = at::empty({T, num_heads_, d}, hidden.options());
       paged_attention(attn, q.view({T, num_heads_, d}), k_cache, v_cache, block_tables, seq_lens,
                       query_start_loc, scale_, layer.sliding_window, 0.0, 0);
-      const at::Tensor o = layer.o(attn.view({T, q_size}));
+      const at::Tensor o = layer.o(attn.view({T, q_size}), lora_slots);
       normed = at::empty_like(o);
       rms_norm(normed, o, layer.post_attention_norm, residual, eps_);
-      const at::Tensor gate_up = layer.gate_up(normed);
+      const at::Tensor gate_up = layer.gate_up(normed, lora_slots);
       at::Tensor act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
       silu_and_mul(act, gate_up);
-      h = layer.down(act);
+      h = layer.down(act, lora_slots);
     }
     at::Tensor out = at::empty_like(h);
     rms_norm(out, h, final_norm_, residual, eps_);
@@ -162,6 +175,10 @@ void register_decoder(pybind11::module& m) {
       })
       .def_static("fixed_order", [](Linear linear) {
         linear.fixed_order = true;
+        return linear;
+      })
+      .def_static("with_lora", [](Linear linear, at::Tensor a, at::Tensor bt, at::Tensor columns) {
+        linear.lora = std::make_shared<const pagedllm::LoRA>(pagedllm::LoRA{a, bt, columns});
         return linear;
       })
       .def_static("dual", [](Linear codes, Linear many_rows, int64_t max_code_rows) {

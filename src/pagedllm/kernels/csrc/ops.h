@@ -27,6 +27,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias);
 
+// lora.cpp
+void add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              const at::Tensor& row_slots, const at::Tensor& columns);
+
 // quant_linear.cpp
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins);

@@ -1,0 +1,164 @@
+// Batched LoRA for a step's rows (layers/lora.py): y[t] += (x[t] @ a[s].T) @ bt[s] for each row t
+// whose adapter slot s = row_slots[t] is >= 0, using the slot's first columns[s] ranks. torch's
+// two small GEMMs and an add per slot cost ~75 us a projection at a decode step's rows (oneDNN's
+// fixed cost per call), most of a step's LoRA time; here a projection takes a few microseconds.
+//
+// Each row is computed alone, in one order: the shrink as linear_tiles.h's dot products (v in
+// float32, never rounded), the expand as multiply-adds over r = 0, 1, ... per output, added to y
+// and rounded once. So a row's result does not depend on the batch (--deterministic holds), and
+// the fused decoder (decoder.cpp) gives what the modules give.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <utility>
+#include <vector>
+
+#include "linear_tiles.h"
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+using tiles::V;
+using tiles::Vec;
+
+constexpr int64_t kOutChunk = 512;  // outputs per work item of the expand
+constexpr int64_t kRowTile = 4;  // rows of one slot per work item of the expand
+
+// y[0:V] += acc, rounded once to y's type (vectorized: a bfloat16 rounded to nearest even).
+inline void add_to(float* y, const Vec& acc) { (Vec::loadu(y) + acc).store(y); }
+inline void add_to(c10::BFloat16* y, const Vec& acc) {
+  const Vec sum = tiles::load_weights(y) + acc;
+  at::vec::convert_from_float<c10::BFloat16>(sum, Vec(0.f)).store(y, V);
+}
+// y[0:2V] += (acc0, acc1): for bfloat16 one full store of both halves.
+inline void add_to(float* y, const Vec& acc0, const Vec& acc1) {
+  add_to(y, acc0);
+  add_to(y + V, acc1);
+}
+inline void add_to(c10::BFloat16* y, const Vec& acc0, const Vec& acc1) {
+  const Vec sum0 = tiles::load_weights(y) + acc0, sum1 = tiles::load_weights(y + V) + acc1;
+  at::vec::convert_from_float<c10::BFloat16>(sum0, sum1).store(y);
+}
+
+template <typename T>
+void add_lora_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                    const int64_t* slots, const int64_t* columns) {
+  const int64_t T_ = x.size(0), K = x.size(1), N = y.size(1);
+  const int64_t R = a.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* ap = a.data_ptr<T>();
+  const T* bp = bt.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t y_stride = y.stride(0);
+  // Shrink: v[t, r] = x[t] . a[s, r], float32, in the tiles' order.
+  tiles::AlignedFloats v_buf(T_ * R), x_buf(T_ * K);
+  float* v = v_buf.data();
+  float* xf = x_buf.data();
+  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0) continue;
+      for (int64_t k = 0; k < K; ++k) xf[t * K + k] = static_cast<float>(xp[t * K + k]);
+      const T* as = ap + s * R * K;
+      for (int64_t r = 0; r < columns[s]; ++r)
+        tiles::dense_tile<1, 1>(xf + t * K, K, as + r * K, K, K, v + t * R + r, 1);
+    }
+  });
+  // Expand: y[t, n] += sum_r v[t, r] * bt[s, r, n], r in order, rounded once. Rows of one slot
+  // go kRowTile at a time, so each vector of B read serves them all.
+  std::vector<std::vector<int64_t>> by_slot(a.size(0));
+  for (int64_t t = 0; t < T_; ++t)
+    if (slots[t] >= 0 && columns[slots[t]] > 0) by_slot[slots[t]].push_back(t);
+  std::vector<std::pair<int64_t, int64_t>> tiles_;  // (slot, first index into by_slot[slot])
+  for (int64_t s = 0; s < a.size(0); ++s)
+    for (int64_t i = 0; i < int64_t(by_slot[s].size()); i += kRowTile) tiles_.emplace_back(s, i);
+  const int64_t chunks = (N + kOutChunk - 1) / kOutChunk;
+  at::parallel_for(0, int64_t(tiles_.size()) * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [s, first] = tiles_[item / chunks];
+      const int64_t n0 = (item % chunks) * kOutChunk, n1 = std::min(N, n0 + kOutChunk);
+      const std::vector<int64_t>& rows = by_slot[s];
+      const int64_t m = std::min<int64_t>(kRowTile, int64_t(rows.size()) - first);
+      const int64_t c = columns[s];
+      const T* bs = bp + s * R * N;
+      const float* vt[kRowTile];
+      T* yt[kRowTile];
+      for (int64_t i = 0; i < m; ++i) {
+        vt[i] = v + rows[first + i] * R;
+        yt[i] = yp + rows[first + i] * y_stride;
+      }
+      int64_t n = n0;
+      for (; n + 2 * V <= n1; n += 2 * V) {  // 2 vectors x m rows of accumulators
+        Vec acc[kRowTile][2];
+        for (int64_t i = 0; i < m; ++i) acc[i][0] = acc[i][1] = Vec(0.f);
+        for (int64_t r = 0; r < c; ++r) {
+          const Vec w0 = tiles::load_weights(bs + r * N + n);
+          const Vec w1 = tiles::load_weights(bs + r * N + n + V);
+          for (int64_t i = 0; i < m; ++i) {
+            const Vec vr(vt[i][r]);
+            acc[i][0] = at::vec::fmadd(w0, vr, acc[i][0]);
+            acc[i][1] = at::vec::fmadd(w1, vr, acc[i][1]);
+          }
+        }
+        for (int64_t i = 0; i < m; ++i) add_to(yt[i] + n, acc[i][0], acc[i][1]);
+      }
+      for (; n + V <= n1; n += V) {
+        Vec acc[kRowTile];
+        for (int64_t i = 0; i < m; ++i) acc[i] = Vec(0.f);
+        for (int64_t r = 0; r < c; ++r) {
+          const Vec w = tiles::load_weights(bs + r * N + n);
+          for (int64_t i = 0; i < m; ++i) acc[i] = at::vec::fmadd(w, Vec(vt[i][r]), acc[i]);
+        }
+        for (int64_t i = 0; i < m; ++i) add_to(yt[i] + n, acc[i]);
+      }
+      for (; n < n1; ++n) {
+        for (int64_t i = 0; i < m; ++i) {
+          float sum = 0.f;
+          for (int64_t r = 0; r < c; ++r) sum += static_cast<float>(bs[r * N + n]) * vt[i][r];
+          yt[i][n] = static_cast<T>(static_cast<float>(yt[i][n]) + sum);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              const at::Tensor& row_slots, const at::Tensor& columns) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.stride(1) == 1 &&
+                  y.size(0) == x.size(0) && y.scalar_type() == x.scalar_type(),
+              "add_lora: x [T, K] contiguous, y [T, N] of x's dtype with contiguous rows");
+  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && bt.dim() == 3 && bt.is_contiguous() &&
+                  a.size(2) == x.size(1) && bt.size(2) == y.size(1) && a.size(1) == bt.size(1) &&
+                  a.size(0) == bt.size(0) && a.scalar_type() == x.scalar_type() &&
+                  bt.scalar_type() == x.scalar_type(),
+              "add_lora: a [S, R, K] and bt [S, R, N] contiguous, in x's dtype");
+  TORCH_CHECK(row_slots.dim() == 1 && row_slots.size(0) == x.size(0) &&
+                  row_slots.scalar_type() == at::kLong && row_slots.is_contiguous() &&
+                  columns.dim() == 1 && columns.size(0) == a.size(0) &&
+                  columns.scalar_type() == at::kLong && columns.is_contiguous(),
+              "add_lora: row_slots int64 [T], columns int64 [S]");
+  const int64_t* slots = row_slots.data_ptr<int64_t>();
+  const int64_t* cols = columns.data_ptr<int64_t>();
+  for (int64_t t = 0; t < row_slots.size(0); ++t)
+    TORCH_CHECK(slots[t] < a.size(0) && (slots[t] < 0 || cols[slots[t]] <= a.size(1)),
+                "add_lora: a row's slot is out of range");
+  if (x.scalar_type() == at::kFloat)
+    add_lora_typed<float>(y, x, a, bt, slots, cols);
+  else if (x.scalar_type() == at::kBFloat16)
+    add_lora_typed<c10::BFloat16>(y, x, a, bt, slots, cols);
+  else
+    TORCH_CHECK(false, "add_lora: float32 or bfloat16");
+}
+
+}  // namespace pagedllm
+
+void register_lora(pybind11::module& m) {
+  m.def("add_lora", &pagedllm::add_lora, py::call_guard<py::gil_scoped_release>(),
+        "(y [T, N], x [T, K], a [S, R, K], bt [S, R, N], row_slots [T], columns [S]): y[t] += "
+        "x[t] a[s].T bt[s] over the slot's first columns[s] ranks, for rows whose slot s >= 0");
+}
