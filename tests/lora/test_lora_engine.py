@@ -223,3 +223,22 @@ def test_structured_output_with_an_adapter(adapters, tmp_path):
     )
     texts = [o.outputs[0].text for o in outs]
     assert all(len(t) == 6 and set(t) <= set("abcd") for t in texts), texts
+
+
+def test_gguf_lora_file_equals_its_peft_adapter(tiny_base, adapters, tmp_path):
+    """The same adapter as llama.cpp's converter writes it (q/k rows of B permuted) gives the
+    PEFT adapter's tokens."""
+    from safetensors.torch import load_file
+
+    from tests.model_loader.test_gguf_lora import write_lora
+
+    path, _ = tiny_base
+    llm = _llm(path)
+    for a in (0, 2):
+        tensors = load_file(os.path.join(adapters[a][0], "adapter_model.safetensors"))
+        gguf_path = write_lora(tmp_path / f"a{a}.gguf", tensors, alpha=ADAPTERS[a][2])
+        lora = LoRARequest(f"g{a}", 50 + a, gguf_path)
+        params = SamplingParams(temperature=0, max_tokens=N, min_tokens=N)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                            lora_request=lora)  # fmt: skip
+        assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in adapters[a][1]]
