@@ -242,3 +242,30 @@ def test_gguf_lora_file_equals_its_peft_adapter(tiny_base, adapters, tmp_path):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
                             lora_request=lora)  # fmt: skip
         assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in adapters[a][1]]
+
+
+def test_an_adapter_gone_before_its_step_fails_its_requests_alone(tiny_base, adapters, tmp_path):
+    """Checked when added, deleted before the step that needs it: its requests end with an
+    error, the others (base, another adapter) give peft's tokens, every block comes back."""
+    import shutil
+
+    path, _ = tiny_base
+    llm = _llm(path)
+    engine = llm.llm_engine
+    doomed = str(tmp_path / "doomed")
+    shutil.copytree(adapters[1][0], doomed)
+    params = SamplingParams(temperature=0, max_tokens=N, min_tokens=N)
+    jobs = {"a0": _request(adapters, 0), "gone": LoRARequest("gone", 77, doomed), "base": None}
+    for name, lora in jobs.items():
+        engine.add_request(name, {"prompt_token_ids": PROMPTS[0]}, params, lora_request=lora)
+    shutil.rmtree(doomed)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["gone"].error is not None and "gone" in finals["gone"].error
+    assert finals["a0"].outputs[0].token_ids == adapters[0][1][0][0]
+    assert finals["base"].outputs[0].token_ids == adapters[None][1][0][0]
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_blocks

@@ -25,6 +25,7 @@ from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.lora_manager import LoRALoadError
 
 logger = logging.getLogger("pagedllm")
 
@@ -221,12 +222,21 @@ class LLMEngine:
             start = seq.num_computed_tokens
             end = start + scheduler_output.num_scheduled_tokens[seq.seq_id]
             self.num_prompt_tokens_total += max(0, min(end, seq.num_prompt_tokens) - start)
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except LoRALoadError as e:  # before any rank ran: the step is simply not taken
+            return self._fail_lora(e)
         self.num_generation_tokens_total += sum(
             len(ids) for ids in runner_output.sampled_token_ids.values()
         ) + len(runner_output.beam_candidates)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
         return self.output_processor.process(scheduler_output, runner_output, groups)
+
+    def _fail_lora(self, error: LoRALoadError) -> list[RequestOutput]:
+        """Fail every request of an adapter that can no longer be read; the others run in the
+        next step (their scheduled tokens are scheduled again)."""
+        groups = [g for g in self.scheduler.requests.values() if g.lora_int_id == error.lora_int_id]
+        return [self.output_processor.fail(g, error) for g in groups]
 
     def _warn_preemption(self) -> None:
         """Like vLLM: the first preemption and every 50th after it are logged."""

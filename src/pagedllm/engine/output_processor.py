@@ -104,7 +104,7 @@ class OutputProcessor:
                 try:
                     self._process_samples(state)
                 except Exception as e:  # noqa: BLE001 - fails this request only
-                    failed[group.request_id] = self._fail(group, e)
+                    failed[group.request_id] = self.fail(group, e)
         outputs = list(failed.values())
         for group in groups:
             state = self.states.get(group.request_id)
@@ -113,12 +113,12 @@ class OutputProcessor:
             try:
                 output = self._make_output(state, now)
             except Exception as e:  # noqa: BLE001 - fails this request only
-                output = self._fail(group, e)
+                output = self.fail(group, e)
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
+    def fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
         """Stop one request whose output processing raised: its blocks are freed, and its
         final output carries the error. The batch's other requests go on. (A failure in the
         batched model run or sampler is not tied to one request: it propagates, and the async

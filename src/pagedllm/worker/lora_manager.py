@@ -26,6 +26,16 @@ from pagedllm.model_loader.lora_adapter import LoRAAdapter, load_lora_adapter
 Packed = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
+class LoRALoadError(ValueError):
+    """An adapter rank 0 could not read when a step needed it (its files changed or went away
+    after it was checked): raised before the step reaches any rank, so the engine fails that
+    adapter's requests alone."""
+
+    def __init__(self, lora_int_id: int, reason: str) -> None:
+        super().__init__(reason)
+        self.lora_int_id = lora_int_id
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -67,8 +77,12 @@ class LoRAManager:
     # -- rank 0 -------------------------------------------------------------------------------
     def plan(self, adapters: list[LoRARequest]) -> tuple[dict[int, int], list]:
         """Slots for the step's adapters (distinct ids, at most max_loras): {id: slot} and the
-        (slot, request) loads every rank must make first."""
+        (slot, request) loads every rank must make first. Adapters that are not resident are
+        read first (LoRALoadError if one cannot be), before any slot changes."""
         assert len(adapters) <= len(self.slot_ids), "the scheduler admits max_loras adapters"
+        for r in adapters:
+            if r.lora_int_id not in self.slot_lru:
+                self._cached(r, LoRALoadError)
         wanted = {r.lora_int_id for r in adapters}
         slots, loads = {}, []
         for r in adapters:
@@ -121,6 +135,24 @@ class LoRAManager:
             module.lora.set_slot(slot, *(ab if ab is not None else (None, None)))
         if self.slot_ids[slot] != request.lora_int_id:  # ranks other than 0 follow rank 0
             self._assign(slot, request.lora_int_id)
+
+    def _cached(self, request: LoRARequest, error: type | None = None) -> Packed:
+        """The adapter cut to this rank's shards, from the host LRU or read now (a failure
+        raised as `error`, if given)."""
+        packed = self.cpu_cache.get(request.lora_int_id)
+        if packed is None:
+            try:
+                adapter = load_lora_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
+            except Exception as e:
+                if error is None:
+                    raise
+                raise error(request.lora_int_id, f"LoRA adapter {request.lora_name!r}: {e}") from e
+            packed = self._pack(adapter)
+            self.cpu_cache[request.lora_int_id] = packed
+            while len(self.cpu_cache) > self.config.max_cpu_loras:
+                self.cpu_cache.popitem(last=False)
+        self.cpu_cache.move_to_end(request.lora_int_id)
+        return packed
 
     def set_mapping(self, row_slots: np.ndarray | None) -> None:
         """The step's rows -> slots (-1: none); None or all -1: no LoRA this step."""
