@@ -26,6 +26,7 @@ using tiles::Vec;
 
 constexpr int64_t kOutChunk = 512;  // outputs per work item of the expand
 constexpr int64_t kRowTile = 4;  // rows of one slot per work item of the expand
+constexpr int64_t kShrinkRows = 8;  // rows of one slot per work item of the shrink
 
 // y[0:V] += acc, rounded once to y's type (vectorized: a bfloat16 rounded to nearest even).
 inline void add_to(float* y, const Vec& acc) { (Vec::loadu(y) + acc).store(y); }
@@ -43,6 +44,47 @@ inline void add_to(c10::BFloat16* y, const Vec& acc0, const Vec& acc1) {
   at::vec::convert_from_float<c10::BFloat16>(sum0, sum1).store(y);
 }
 
+// MT rows of one slot, outputs n0..n1: y[i, n] += sum_r v[i][r] * b[r, n] (b: the slot's B by
+// rank, row stride N), r in order. MT a constant, so the accumulators stay in registers.
+template <int MT, typename T>
+inline void expand_tile(const T* b, int64_t N, int64_t c, const float* const* v, T* const* y,
+                        int64_t n0, int64_t n1) {
+  static_assert(MT <= kRowTile, "a tile's rows");
+  int64_t n = n0;
+  for (; n + 2 * V <= n1; n += 2 * V) {
+    Vec acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = Vec(0.f);
+    for (int64_t r = 0; r < c; ++r) {
+      const Vec w0 = tiles::load_weights(b + r * N + n);
+      const Vec w1 = tiles::load_weights(b + r * N + n + V);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const Vec vr(v[i][r]);
+        acc[i][0] = at::vec::fmadd(w0, vr, acc[i][0]);
+        acc[i][1] = at::vec::fmadd(w1, vr, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) add_to(y[i] + n, acc[i][0], acc[i][1]);
+  }
+  for (; n + V <= n1; n += V) {
+    Vec acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = Vec(0.f);
+    for (int64_t r = 0; r < c; ++r) {
+      const Vec w = tiles::load_weights(b + r * N + n);
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) acc[i] = at::vec::fmadd(w, Vec(v[i][r]), acc[i]);
+    }
+    for (int i = 0; i < MT; ++i) add_to(y[i] + n, acc[i]);
+  }
+  for (; n < n1; ++n) {
+    for (int i = 0; i < MT; ++i) {
+      float sum = 0.f;
+      for (int64_t r = 0; r < c; ++r) sum += static_cast<float>(b[r * N + n]) * v[i][r];
+      y[i][n] = static_cast<T>(static_cast<float>(y[i][n]) + sum);
+    }
+  }
+}
+
 template <typename T>
 void add_lora_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
                     const int64_t* slots, const int64_t* columns) {
@@ -53,27 +95,44 @@ void add_lora_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, con
   const T* bp = bt.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t y_stride = y.stride(0);
-  // Shrink: v[t, r] = x[t] . a[s, r], float32, in the tiles' order.
-  tiles::AlignedFloats v_buf(T_ * R), x_buf(T_ * K);
-  float* v = v_buf.data();
+  // Each slot's rows, gathered in order: g = start[s] + i is slot s's i-th row.
+  const int64_t S = a.size(0);
+  std::vector<std::vector<int64_t>> by_slot(S);
+  for (int64_t t = 0; t < T_; ++t)
+    if (slots[t] >= 0 && columns[slots[t]] > 0) by_slot[slots[t]].push_back(t);
+  std::vector<int64_t> start(S + 1, 0), row_of;
+  for (int64_t s = 0; s < S; ++s) {
+    start[s + 1] = start[s] + int64_t(by_slot[s].size());
+    row_of.insert(row_of.end(), by_slot[s].begin(), by_slot[s].end());
+  }
+  const int64_t M = start[S];
+  if (M == 0) return;
+  tiles::AlignedFloats x_buf(M * K), v_buf(M * R);
   float* xf = x_buf.data();
-  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t s = slots[t];
-      if (s < 0) continue;
-      for (int64_t k = 0; k < K; ++k) xf[t * K + k] = static_cast<float>(xp[t * K + k]);
-      const T* as = ap + s * R * K;
-      for (int64_t r = 0; r < columns[s]; ++r)
-        tiles::dense_tile<1, 1>(xf + t * K, K, as + r * K, K, K, v + t * R + r, 1);
+  float* v = v_buf.data();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t k = 0; k < K; ++k) xf[g * K + k] = static_cast<float>(xp[row_of[g] * K + k]);
+  });
+  // Shrink: v[g, r] = x[g] . a[s, r] in float32, kShrinkRows rows of a slot at a time against
+  // the tiles' weight rows (linear_tiles.h: each output in its one order, whatever the tile).
+  std::vector<std::pair<int64_t, int64_t>> shrink_items;  // (slot, first row of the block)
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = 0; i < int64_t(by_slot[s].size()); i += kShrinkRows) shrink_items.emplace_back(s, i);
+  at::parallel_for(0, int64_t(shrink_items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [s, first] = shrink_items[item];
+      const int64_t m = std::min<int64_t>(kShrinkRows, int64_t(by_slot[s].size()) - first);
+      const int64_t g = start[s] + first, c = columns[s];
+      for (int64_t n = 0; n < c; n += tiles::kWeightRows)
+        tiles::dense_rows_any(std::min<int64_t>(tiles::kWeightRows, c - n), xf + g * K, m, K,
+                              ap + (s * R + n) * K, K, v + g * R + n, R);
     }
   });
   // Expand: y[t, n] += sum_r v[t, r] * bt[s, r, n], r in order, rounded once. Rows of one slot
   // go kRowTile at a time, so each vector of B read serves them all.
-  std::vector<std::vector<int64_t>> by_slot(a.size(0));
-  for (int64_t t = 0; t < T_; ++t)
-    if (slots[t] >= 0 && columns[slots[t]] > 0) by_slot[slots[t]].push_back(t);
   std::vector<std::pair<int64_t, int64_t>> tiles_;  // (slot, first index into by_slot[slot])
-  for (int64_t s = 0; s < a.size(0); ++s)
+  for (int64_t s = 0; s < S; ++s)
     for (int64_t i = 0; i < int64_t(by_slot[s].size()); i += kRowTile) tiles_.emplace_back(s, i);
   const int64_t chunks = (N + kOutChunk - 1) / kOutChunk;
   at::parallel_for(0, int64_t(tiles_.size()) * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -87,39 +146,14 @@ void add_lora_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, con
       const float* vt[kRowTile];
       T* yt[kRowTile];
       for (int64_t i = 0; i < m; ++i) {
-        vt[i] = v + rows[first + i] * R;
+        vt[i] = v + (start[s] + first + i) * R;
         yt[i] = yp + rows[first + i] * y_stride;
       }
-      int64_t n = n0;
-      for (; n + 2 * V <= n1; n += 2 * V) {  // 2 vectors x m rows of accumulators
-        Vec acc[kRowTile][2];
-        for (int64_t i = 0; i < m; ++i) acc[i][0] = acc[i][1] = Vec(0.f);
-        for (int64_t r = 0; r < c; ++r) {
-          const Vec w0 = tiles::load_weights(bs + r * N + n);
-          const Vec w1 = tiles::load_weights(bs + r * N + n + V);
-          for (int64_t i = 0; i < m; ++i) {
-            const Vec vr(vt[i][r]);
-            acc[i][0] = at::vec::fmadd(w0, vr, acc[i][0]);
-            acc[i][1] = at::vec::fmadd(w1, vr, acc[i][1]);
-          }
-        }
-        for (int64_t i = 0; i < m; ++i) add_to(yt[i] + n, acc[i][0], acc[i][1]);
-      }
-      for (; n + V <= n1; n += V) {
-        Vec acc[kRowTile];
-        for (int64_t i = 0; i < m; ++i) acc[i] = Vec(0.f);
-        for (int64_t r = 0; r < c; ++r) {
-          const Vec w = tiles::load_weights(bs + r * N + n);
-          for (int64_t i = 0; i < m; ++i) acc[i] = at::vec::fmadd(w, Vec(vt[i][r]), acc[i]);
-        }
-        for (int64_t i = 0; i < m; ++i) add_to(yt[i] + n, acc[i]);
-      }
-      for (; n < n1; ++n) {
-        for (int64_t i = 0; i < m; ++i) {
-          float sum = 0.f;
-          for (int64_t r = 0; r < c; ++r) sum += static_cast<float>(bs[r * N + n]) * vt[i][r];
-          yt[i][n] = static_cast<T>(static_cast<float>(yt[i][n]) + sum);
-        }
+      switch (m) {
+        case 4: expand_tile<4>(bs, N, c, vt, yt, n0, n1); break;
+        case 3: expand_tile<3>(bs, N, c, vt, yt, n0, n1); break;
+        case 2: expand_tile<2>(bs, N, c, vt, yt, n0, n1); break;
+        default: expand_tile<1>(bs, N, c, vt, yt, n0, n1); break;
       }
     }
   });
