@@ -23,7 +23,15 @@ import os
 import tempfile
 import time
 
-from pagedllm.bench.utils import greedy_params, print_run, speed_figures, table_lines, write_json
+from pagedllm.bench.utils import (
+    cpu_counters,
+    greedy_params,
+    others_cpu_share,
+    print_run,
+    speed_figures,
+    table_lines,
+    write_json,
+)
 from pagedllm.bench.workload import workload_from_tokenizer, workload_tokenizer
 from pagedllm.config import EngineArgs
 from pagedllm.lora_request import LoRARequest
@@ -51,6 +59,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.25,
         help="length scale of the ShareGPT-shaped workload (default: 0.25)",
+    )
+    group.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the runs, interleaved; each figure is its median round (default: 1)",
     )
     group.add_argument(
         "--no-eager-run",
@@ -101,6 +115,7 @@ def run(engine, requests, adapters: list[LoRARequest]) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     outputs, ids, num_steps = {}, [], 0
+    cpu_before = cpu_counters()
     start = time.perf_counter()
     for i, (prompt, output_len) in enumerate(requests):
         lora = adapters[i % len(adapters)] if adapters else None
@@ -114,7 +129,8 @@ def run(engine, requests, adapters: list[LoRARequest]) -> dict:
     elapsed = time.perf_counter() - start
     token_ids = [outputs[i] for i in ids]
     figures = speed_figures(requests, token_ids, sum(len(t) for t in token_ids), elapsed)
-    return {**figures, "num_steps": num_steps, "step_ms": 1000 * elapsed / num_steps}
+    return {**figures, "num_steps": num_steps, "step_ms": 1000 * elapsed / num_steps,
+            "others_cpu_share": others_cpu_share(cpu_before, cpu_counters())}  # fmt: skip
 
 
 def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
@@ -123,8 +139,8 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
 
     counts = [int(x) for x in ns.num_adapters.split(",") if x]
-    if ns.num_prompts < 1 or ns.concurrency < 1 or not counts or min(counts) < 1:
-        raise ValueError("--num-prompts, --concurrency and --num-adapters must be >= 1")
+    if not counts or min(ns.num_prompts, ns.concurrency, ns.repeat, *counts) < 1:
+        raise ValueError("--num-prompts, --concurrency, --repeat, --num-adapters must be >= 1")
     args = dataclasses.replace(
         engine_args, enable_lora=True, max_num_seqs=ns.concurrency,
         max_lora_rank=max(engine_args.max_lora_rank, ns.lora_rank),
@@ -145,12 +161,15 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         for i in range(max(counts)):
             paths.append(os.path.join(tmp, f"adapter{i}"))
             write_random_adapter(paths[-1], engine.model_config, ns.lora_rank, seed=i)
-        results["base"] = run(engine, requests, [])
-        print_run("base", results["base"])
-        for k in counts:
-            loras = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(k)]
-            results[f"{k} adapters"] = run(engine, requests, loras)
-            print_run(f"{k} adapters", results[f"{k} adapters"])
+        runs = {"base": []} | {f"{k} adapters": [] for k in counts}
+        loras = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(max(counts))]
+        for _ in range(ns.repeat):  # rounds of every run, so drifts in speed hit all alike
+            for name in runs:
+                k = 0 if name == "base" else int(name.split()[0])
+                runs[name].append(run(engine, requests, loras[:k]))
+                print_run(name, runs[name][-1])
+        for name, rounds in runs.items():  # the round of median speed
+            results[name] = sorted(rounds, key=lambda r: r["output_tokens_per_s"])[len(rounds) // 2]
     del engine
     gc.collect()
     if ns.eager_run:
