@@ -93,6 +93,10 @@ def test_each_model_name_runs_its_adapter(server, setup):
         assert out.choices[0].text == _text(engine, name, expected), name
     streamed = "".join(c.choices[0].text for c in _complete(client, "sql", stream=True))
     assert streamed == _text(engine, "sql", expected)
+    chat = client.chat.completions.create(
+        model="food", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert chat.model == "food" and chat.choices[0].message.content is not None
     assert len({expected[n][:8].__repr__() for n in ("base", "sql", "food")}) == 3
 
 
@@ -154,6 +158,10 @@ def test_unload_while_streaming_finishes_them(server, setup):
         tasks = [asyncio.create_task(stream(started)) for _ in range(8)]
         await started.wait()
         assert sum(not t.done() for t in tasks) > 0, "nothing left streaming to unload under"
+        metrics = await asyncio.to_thread(
+            httpx.get, f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert 'running_lora_adapters="busy"' in metrics.text
         r = await asyncio.to_thread(_post, url, "unload_lora_adapter", {"lora_name": "busy"})
         assert r.status_code == 200
         with pytest.raises(openai.NotFoundError):
