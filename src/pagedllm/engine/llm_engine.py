@@ -189,6 +189,11 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request_id
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError unless the adapter can run here (read and checked once per id): what a
+        server checks when it loads an adapter by name."""
+        self.input_processor.check_lora(lora_request)
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self._abort_in_scheduler(ids)

@@ -72,7 +72,7 @@ class LoRARegistry:
         if name == self.base_name or name in self.adapters:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
         request = LoRARequest(name, next(self._ids), path)
-        self.async_engine.engine.input_processor.check_lora(request)
+        self.async_engine.engine.check_lora(request)
         self.adapters[name] = request
         self.created[name] = int(time.time())
         return request
