@@ -113,6 +113,9 @@ class _SamplingRequest(OpenAIRequest):
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: the logprob and rank of each prompt token and the prompt_logprobs most likely at
+    # its place, in the response (`prompt_logprobs`; not in streamed chunks)
+    prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
     # StructuredOutputsParams) and its older guided_* fields; one of them at most.
     response_format: ResponseFormat | None = None
@@ -181,6 +184,7 @@ class _SamplingRequest(OpenAIRequest):
             logit_bias=self.logit_bias,
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
+            prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self.structured_outputs_params(),
         )
 
@@ -267,12 +271,25 @@ class CompletionLogProbs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token, vLLM's shape: None for the first, then {token id: its PromptLogprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -344,6 +361,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIModel):

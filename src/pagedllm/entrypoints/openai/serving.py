@@ -150,6 +150,27 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
         return None
 
+    @staticmethod
+    def prompt_logprobs(body, final: RequestOutput) -> list | None:
+        """The request's prompt_logprobs in vLLM's shape: per prompt token (None for the
+        first) the token's own entry and the body.prompt_logprobs most likely (fewer than the
+        engine computed when echo with logprobs asked for more)."""
+        k = body.prompt_logprobs
+        if k is None or final.prompt_logprobs is None:
+            return None
+        token_ids = final.prompt_token_ids
+        out = []
+        for token_id, entries in zip(token_ids, final.prompt_logprobs, strict=True):
+            if entries is None:
+                out.append(None)
+                continue
+            out.append({
+                t: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in entries.items()
+                if t == token_id or (lp.rank is not None and lp.rank <= k)
+            })  # fmt: skip
+        return out
+
     def model_name(self, body) -> str:
         """The name the answer gives: the adapter's, or the base model's."""
         return (

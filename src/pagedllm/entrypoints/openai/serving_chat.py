@@ -173,8 +173,9 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=prompt_tokens + completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name(body), choices=choices, usage=usage
-        )
+            id=request_id, model=self.model_name(body), choices=choices, usage=usage,
+            prompt_logprobs=self.prompt_logprobs(body, final),
+        )  # fmt: skip
 
     async def stream_chunks(
         self,

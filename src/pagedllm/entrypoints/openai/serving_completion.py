@@ -65,8 +65,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
         params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
-        if body.echo and body.logprobs is not None:
-            params.prompt_logprobs = body.logprobs  # the echoed prompt gets logprobs too
+        if body.echo and body.logprobs is not None:  # the echoed prompt gets logprobs too
+            params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         return params
 
     def build_prompts(self, body: CompletionRequest, params) -> tuple[list[dict], None]:
@@ -146,6 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         ),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=self.prompt_logprobs(body, final),
                     )
                 )
         choices.sort(key=lambda ch: ch.index)
