@@ -258,6 +258,22 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=chat.max_model_len, tokens=ids)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        # vLLM's: what a client needs to tokenize through /tokenize and render chats itself
+        # (lm-evaluation-harness's tokenizer_backend=remote reads eos / bos / pad and the
+        # chat template here).
+        tokenizer = chat.tokenizer
+        if tokenizer is None:
+            raise OpenAIError("this model has no tokenizer", 404)
+        info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
+                "model_max_length": chat.max_model_len,
+                "chat_template": config.chat_template or tokenizer.chat_template}  # fmt: skip
+        for name in ("bos", "eos", "pad", "unk"):
+            info[f"{name}_token"] = getattr(tokenizer, f"{name}_token")
+            info[f"{name}_token_id"] = getattr(tokenizer, f"{name}_token_id")
+        return info
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         chat.check_model(body.model)

@@ -1,10 +1,14 @@
-"""vLLM's `prompt_logprobs` through the real server and the openai client: on completions (per
-choice) and chat (per response), each prompt token's logprob equal to HF transformers'
-log-softmax (float32), its rank, the k most likely beside it, None for the first token; with
-echo + logprobs asking for more, the k asked for; above --max-logprobs a 400."""
+"""vLLM's extras through the real server: `prompt_logprobs` with the openai client, on
+completions (per choice) and chat (per response), each prompt token's logprob equal to HF
+transformers' log-softmax (float32), its rank, the k most likely beside it, None for the first
+token; with echo + logprobs asking for more, the k asked for; above --max-logprobs a 400. And
+`GET /tokenizer_info` as lm-evaluation-harness's remote tokenizer uses it with /tokenize and
+/detokenize."""
 
 from __future__ import annotations
 
+import httpx
+import jinja2
 import openai
 import pytest
 import torch
@@ -27,7 +31,9 @@ def served(tmp_path_factory):
     engine = AsyncLLMEngine(LLMEngine(args))
     try:
         with serve_in_thread(engine, "m") as url:
-            yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0), model
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            client.url = url
+            yield client, model
     finally:
         engine.shutdown()
 
@@ -72,3 +78,32 @@ def test_too_many_prompt_logprobs_is_a_400(served):
         client.completions.create(model="m", prompt=PROMPT, max_tokens=2,
                                   extra_body={"prompt_logprobs": 50})  # fmt: skip
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_tokenizer_info_serves_a_remote_tokenizer(served):
+    """What lm-eval's RemoteTokenizer does: eos / bos from /tokenizer_info, text through
+    /tokenize and /detokenize, chats rendered with the served template."""
+    client, _ = served
+    info = httpx.get(f"{client.url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 256
+    tokens = httpx.post(
+        f"{client.url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}
+    ).json()
+    assert tokens["tokens"] == [info["eos_token_id"]]
+    text = "Paged attention, in blocks."
+    ids = httpx.post(
+        f"{client.url}/tokenize", json={"prompt": text, "add_special_tokens": False}
+    ).json()["tokens"]
+    back = httpx.post(f"{client.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert back == text
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = (
+        jinja2.Environment()
+        .from_string(info["chat_template"])
+        .render(messages=messages, add_generation_prompt=True, bos_token=info["bos_token"])
+    )
+    served_ids = httpx.post(f"{client.url}/tokenize", json={"messages": messages}).json()
+    local_ids = httpx.post(
+        f"{client.url}/tokenize", json={"prompt": rendered, "add_special_tokens": False}
+    ).json()
+    assert served_ids["tokens"] == local_ids["tokens"]
