@@ -65,6 +65,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         # The key of this sequence's block table and scheduled tokens: the request id for the
@@ -94,6 +95,7 @@ class Request:
         self.cache_salt = cache_salt
         # The LoRA adapter this request runs with (a lora_request.LoRARequest), or None.
         self.lora_request = lora_request
+        self.priority = priority  # --scheduling-policy priority: lower values run first
         self.block_hashes: list[bytes] = []
         # Structured outputs: this sequence's grammar state (a structured_output.Grammar), which
         # consumes each output token; None when unconstrained.
@@ -239,6 +241,10 @@ class SequenceGroup:
     @property
     def sampling_params(self):
         return self.first.sampling_params
+
+    @property
+    def priority(self) -> int:
+        return self.first.priority
 
     @property
     def lora_int_id(self) -> int | None:

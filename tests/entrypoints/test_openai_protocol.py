@@ -195,7 +195,7 @@ def test_serve_flags_make_one_server_config():
 def _fake_generate(texts):
     """A stub engine's generate: one token per text piece, finished with "length"."""
 
-    async def generate(prompt, params, request_id, delta=False, cache_salt=None, lora_request=None):
+    async def generate(prompt, params, request_id, delta=False, cache_salt=None, **engine_args):
         ids = prompt["prompt_token_ids"]
         if any(t == 0 for t in ids):
             raise ValueError("token 0 is not allowed here")

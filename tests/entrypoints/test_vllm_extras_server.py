@@ -107,3 +107,14 @@ def test_tokenizer_info_serves_a_remote_tokenizer(served):
         f"{client.url}/tokenize", json={"prompt": rendered, "add_special_tokens": False}
     ).json()
     assert served_ids["tokens"] == local_ids["tokens"]
+
+
+def test_priority_needs_the_priority_policy(served):
+    client, _ = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=2,
+                                  extra_body={"priority": 3})  # fmt: skip
+    assert "--scheduling-policy priority" in e.value.body["message"]
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=2,
+                                    extra_body={"priority": 0})  # fmt: skip
+    assert out.choices[0].finish_reason == "length"

@@ -15,6 +15,7 @@ from pagedllm.config.speculative import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 # vLLM's --kv-cache-dtype names; fp8 is e4m3. int8/fp8: one byte per value + a scale per row.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -104,6 +105,12 @@ class EngineArgs:
         "recompute",
         "recompute | swap: what happens to a preempted request's KV cache",
         choices=PREEMPTION_MODES,
+    )
+    scheduling_policy: str = _flag(
+        "fcfs",
+        "fcfs | priority: with priority, requests run by their priority (lower values first; "
+        "vLLM's), arrival order within a level, and preemption takes the lowest first",
+        choices=SCHEDULING_POLICIES,
     )
     swap_space: float = _flag(
         4.0,

@@ -56,6 +56,8 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
     # LoRA adapters a step may mix (their requests are admitted while slots allow); 0: no LoRA
     max_loras: int = 0
+    # "fcfs", or "priority": requests ordered by (priority, arrival), lower priority values first
+    policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class EngineConfig:
                 args.enable_chunked_prefill,
                 args.preemption_mode,
                 args.max_loras if args.enable_lora else 0,
+                args.scheduling_policy,
             ),  # fmt: skip
             parallel=ParallelConfig(args.tensor_parallel_size),
             device=DeviceConfig(device, args.attention_backend),

@@ -33,9 +33,18 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.beam_search import BeamSearchState, step_beams
 from pagedllm.core.kv_cache_interface import BlockPair, KVCacheInterface
 from pagedllm.core.lora_admission import LoRAAdmission
+from pagedllm.core.scheduler_checks import check_scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput, SpecDecodeStats
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus, SequenceGroup
+
+
+def _by_arrival(group: SequenceGroup) -> float:
+    return group.arrival_time
+
+
+def _by_priority(group: SequenceGroup) -> tuple[int, float]:
+    return group.priority, group.arrival_time
 
 
 class Scheduler:
@@ -52,6 +61,8 @@ class Scheduler:
         self._num_running_seqs = 0
         self.spec_decode_stats = SpecDecodeStats()
         self.lora_admission = LoRAAdmission(config.max_loras)
+        # The order of every queue: arrival, or (priority, arrival) under the priority policy.
+        self.order = _by_priority if config.policy == "priority" else _by_arrival
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -59,7 +70,7 @@ class Scheduler:
         group = request.group
         if group.is_beam_search and group.beam is None:
             group.beam = BeamSearchState.for_request(request, self.config.max_model_len)
-        self.waiting.append(group)
+        self._queue(group)
         self.requests[group.request_id] = group
 
     def finish_requests(
@@ -253,7 +264,7 @@ class Scheduler:
             seq.status = RequestStatus.RUNNING
         self._num_running_seqs += len(group.seqs)
         # Keep `running` in arrival order, so a resumed group is not the next victim.
-        bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+        bisect.insort(self.running, group, key=self.order)
 
     def _next_to_resume(self) -> tuple[SequenceGroup | None, bool]:
         """The next group to bring in, and whether it is swapped out: the earliest-arrived of the
@@ -275,7 +286,7 @@ class Scheduler:
         if not self.swapped:
             return (head, False) if head is not None and head.num_preemptions else (None, False)
         if head is not None and head.num_preemptions:  # preempted for recompute
-            if head.arrival_time < self.swapped[0].arrival_time:
+            if self.order(head) < self.order(self.swapped[0]):
                 return head, False
         return self.swapped[0], True
 
@@ -364,14 +375,28 @@ class Scheduler:
             for seq in group.seqs:
                 seq.status = RequestStatus.SWAPPED
             self.num_swap_preemptions_total += 1
-            bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
+            bisect.insort(self.swapped, group, key=self.order)
             return pairs
         for seq in group.seqs:
             kv.free(seq)
             seq.status = RequestStatus.PREEMPTED
             seq.num_computed_tokens = 0
-        self.waiting.appendleft(group)
+        if self.order is _by_arrival:
+            self.waiting.appendleft(group)  # it arrived before every new request
+        else:
+            self._queue(group)
         return []
+
+    def _queue(self, group: SequenceGroup) -> None:
+        """Into `waiting` in the policy's order (FCFS: at the back)."""
+        if self.order is _by_arrival:
+            self.waiting.append(group)
+            return
+        key = self.order(group)
+        i = len(self.waiting)
+        while i and self.order(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, group)
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(
@@ -459,30 +484,6 @@ class Scheduler:
             self._remove(group)
 
     def check_integrity(self) -> None:
-        """The pools agree with the block tables, and only live sequences hold blocks: running
-        ones device blocks, swapped ones swap-space blocks, none while waiting or preempted.
-        Every unfinished group is in exactly one queue; running and swapped keep arrival order."""
-        kv = self.kv_cache_manager
-        kv.check_integrity()
-        live = {s.seq_id for g in self.running for s in g.seqs}
-        assert set(kv.req_to_blocks) <= live, (
-            "a finished, waiting or preempted sequence holds blocks"
-        )
-        swapped = {s.seq_id for g in self.swapped for s in g.seqs}
-        assert set(kv.swapped_blocks) == swapped, "swap-space tables and swapped groups disagree"
-        for group in self.swapped:
-            assert group.seqs and all(s.status == RequestStatus.SWAPPED for s in group.seqs)
-        queues = [*self.waiting, *self.running, *self.swapped]
-        assert len({id(g) for g in queues}) == len(queues) == len(self.requests), (
-            "a group is in no queue or in two"
-        )
-        for ordered in (self.running, self.swapped):
-            times = [g.arrival_time for g in ordered]
-            assert times == sorted(times), "running or swapped groups are out of arrival order"
-        assert self._num_running_seqs == len(live), "running sequence count is off"
-        for group in self.running:
-            assert group.seqs and all(s.status == RequestStatus.RUNNING for s in group.seqs)
-        for group in self.waiting:
-            assert all(
-                s.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for s in group.seqs
-            )
+        """The pools agree with the block tables and the queues with the groups
+        (core/scheduler_checks.py)."""
+        check_scheduler(self)

@@ -90,6 +90,7 @@ class AsyncLLMEngine:
         delta: bool = False,
         cache_salt: str | None = None,
         lora_request=None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Bad input raises ValueError on the first
         iteration. Leaving the loop early (a client disconnects, the task is cancelled) aborts
@@ -106,7 +107,17 @@ class AsyncLLMEngine:
             self.check_health()
             raise EngineDeadError("the server is shutting down")
         self._commands.put(
-            ("add", request_id, prompt, params, time.time(), delta, cache_salt, lora_request)
+            (
+                "add",
+                request_id,
+                prompt,
+                params,
+                time.time(),
+                delta,
+                cache_salt,
+                lora_request,
+                priority,
+            )  # fmt: skip
         )
         finished = False
         try:
@@ -219,12 +230,14 @@ class AsyncLLMEngine:
                     except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
                         future.set_exception(e)
                 continue
-            _, request_id, prompt, params, arrival, delta, cache_salt, lora = command
+            _, request_id, prompt, params, arrival, delta, cache_salt, lora, priority = command
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # its client left before the request was added
             try:
-                engine.add_request(request_id, prompt, params, arrival, delta, cache_salt, lora)
+                engine.add_request(
+                    request_id, prompt, params, arrival, delta, cache_salt, lora, priority
+                )
             except ValueError as e:
                 stream.put(e)
             except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's

@@ -50,6 +50,7 @@ class InputProcessor:
         arrival_time: float | None,
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         """The request's first sequence (its group is `request.group`); ValueError if it is
         one the engine must refuse."""
@@ -65,6 +66,11 @@ class InputProcessor:
             raise ValueError(
                 f"--kv-allocation {allocation} runs one sequence per request: "
                 "n, best_of and beam search need paged KV blocks"
+            )
+        if priority != 0 and config.scheduler.policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs --scheduling-policy priority (the policy is "
+                f"{config.scheduler.policy})"
             )
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -86,6 +92,7 @@ class InputProcessor:
             arrival_time,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            priority=priority,
         )
         if params.structured_outputs is not None:
             request.grammar = self._structured_outputs().grammar(params.structured_outputs)

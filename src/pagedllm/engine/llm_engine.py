@@ -174,16 +174,18 @@ class LLMEngine:
         delta: bool = False,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; `delta=True` makes each output carry only the new text and tokens.
         Requests share prefix-cached blocks only with requests of the same `cache_salt` and
-        LoRA adapter (`lora_request`, with --enable-lora)."""
+        LoRA adapter (`lora_request`, with --enable-lora). `priority`: with --scheduling-policy
+        priority, lower values run first."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.input_processor.process(
-            request_id, prompt, params, arrival_time, cache_salt, lora_request
+            request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
         )
         self.output_processor.add_request(request.group, delta)
         self.scheduler.add_request(request)

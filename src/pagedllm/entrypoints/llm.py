@@ -54,9 +54,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """lora_request: one adapter for every prompt, or one (or None) per prompt (needs
-        LLM(enable_lora=True))."""
+        LLM(enable_lora=True)); priority: one per prompt (needs scheduling_policy="priority")."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -74,11 +75,17 @@ class LLM:
                 f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts: "
                 "give one, or one per prompt"
             )
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, sampling_params, lora_request, strict=True):
-                ids.append(engine.add_request(None, prompt, params, lora_request=lora))
+            for prompt, params, lora, level in zip(
+                prompts, sampling_params, lora_request, priority, strict=True
+            ):
+                ids.append(engine.add_request(None, prompt, params, lora_request=lora,
+                                              priority=level))  # fmt: skip
         except Exception:
             engine.abort_request(ids)
             raise

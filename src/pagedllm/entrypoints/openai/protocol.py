@@ -116,6 +116,8 @@ class _SamplingRequest(OpenAIRequest):
     # vLLM's: the logprob and rank of each prompt token and the prompt_logprobs most likely at
     # its place, in the response (`prompt_logprobs`; not in streamed chunks)
     prompt_logprobs: int | None = None
+    # vLLM's: with --scheduling-policy priority, lower values run first
+    priority: int = 0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
     # StructuredOutputsParams) and its older guided_* fields; one of them at most.
     response_format: ResponseFormat | None = None

@@ -94,7 +94,9 @@ class OpenAIServing:
             self.check_length(len(prompt["prompt_token_ids"]), params.max_tokens)
         request_id = random_id(self.id_prefix)
         self.log_request(request_id, prompts, params)
-        gens = self.generators(prompts, params, request_id, delta=body.stream, lora=lora)
+        gens = self.generators(
+            prompts, params, request_id, delta=body.stream, lora=lora, priority=body.priority
+        )
         if body.stream:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
             stream = await unless_disconnected(raw, self.first_and_rest(gens))
@@ -273,12 +275,18 @@ class OpenAIServing:
         request_id: str,
         delta: bool,
         lora=None,
+        priority: int = 0,
     ) -> list[AsyncIterator[RequestOutput]]:
         self.check_queue(len(prompts))
         gens = [
             self.async_engine.generate(
-                prompt, params, f"{request_id}-{i}", delta=delta, lora_request=lora
-            )
+                prompt,
+                params,
+                f"{request_id}-{i}",
+                delta=delta,
+                lora_request=lora,
+                priority=priority,
+            )  # fmt: skip
             for i, prompt in enumerate(prompts)
         ]
         if self.metrics is not None:
