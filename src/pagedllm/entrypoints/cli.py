@@ -11,6 +11,7 @@ import time
 import typing
 
 from pagedllm.config import EngineArgs, parse_bytes
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 # The command line's start (its torch-free imports done), for serve's start-up line.
@@ -206,6 +207,7 @@ def server_config_from(ns: argparse.Namespace):
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
         enable_dashboard=ns.enable_dashboard,
+        reasoning_parser=ns.reasoning_parser,
         lora_modules=_lora_modules(ns.lora_modules),
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
@@ -347,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=128,
         help="most prompts in one /v1/completions request (default: 128)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="chat answers' <think> ... </think> text into reasoning_content",
     )
     serve.add_argument(
         "--lora-modules",

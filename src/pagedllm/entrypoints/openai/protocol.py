@@ -332,6 +332,7 @@ class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's field)
 
 
 class DeltaFunctionCall(OpenAIModel):
@@ -369,6 +370,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

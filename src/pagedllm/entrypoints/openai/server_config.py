@@ -57,6 +57,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     enable_dashboard: bool = True  # the live KV-cache dashboard (/dashboard, /debug/kv)
+    # <think> ... </think> of chat answers into reasoning_content: deepseek_r1 | qwen3 | None
+    reasoning_parser: str | None = None
     # LoRA adapters served as model names (name, path), with --enable-lora; and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM gates them likewise)
     lora_modules: list[tuple[str, str]] = field(default_factory=list)

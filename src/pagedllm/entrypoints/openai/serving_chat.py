@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
 from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIError, OpenAIServing
 from pagedllm.entrypoints.openai.tools import (
     ToolCallStream,
@@ -147,13 +148,17 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         final, num_logprobs = finals[0], self._num_logprobs(body)
         choices = []
+        parser = self.config.reasoning_parser
         for c in sorted(final.outputs, key=lambda c: c.index):
-            message = ChatResponseMessage(content=c.text)
+            reasoning, text = split_reasoning(parser, c.text) if parser else (None, c.text)
+            message = ChatResponseMessage(content=text, reasoning_content=reasoning)
             finish_reason = c.finish_reason
             if plan.mode != "none":
-                content, calls = calls_in_output(plan, c.text)
+                content, calls = calls_in_output(plan, text or "")
                 tool_calls = response_tool_calls(calls)
-                message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+                message = ChatResponseMessage(
+                    content=content, tool_calls=tool_calls, reasoning_content=reasoning
+                )
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
             choices.append(
@@ -189,9 +194,12 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(body)
         num_logprobs = self._num_logprobs(body)
         usage = UsageInfo()
-        tool_streams = {}
+        tool_streams, reasoning_streams = {}, {}
         if plan.mode != "none":
             tool_streams = {i: ToolCallStream(plan) for i in range(body.n)}
+        if self.config.reasoning_parser:
+            parser = self.config.reasoning_parser
+            reasoning_streams = {i: ReasoningStream(parser) for i in range(body.n)}
         # The role comes first, once per choice, as OpenAI sends it.
         for index in range(body.n):
             delta = DeltaMessage(role="assistant", content="")
@@ -204,10 +212,20 @@ class OpenAIServingChat(OpenAIServing):
                 usage.completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                text, reasoning = c.text, None
+                reasoning_stream = reasoning_streams.get(c.index)
+                if reasoning_stream is not None:
+                    reasoning, text = reasoning_stream.feed(c.text)
+                    if c.finish_reason is not None:
+                        more_reasoning, more_text = reasoning_stream.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                delta, finish_reason = DeltaMessage(content=text), c.finish_reason
                 tool_stream = tool_streams.get(c.index)
                 if tool_stream is not None:
-                    delta, finish_reason = _tool_delta(tool_stream, c)
+                    delta, finish_reason = _tool_delta(tool_stream, text, c.finish_reason)
+                if reasoning_stream is not None:
+                    delta.reasoning_content = reasoning or None
+                    delta.content = delta.content or None
                 choice = ChatStreamChoice(
                     index=c.index,
                     delta=delta,
@@ -223,11 +241,12 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk.model_dump_json()
 
 
-def _tool_delta(stream: ToolCallStream, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+def _tool_delta(
+    stream: ToolCallStream, text: str, finish_reason: str | None
+) -> tuple[DeltaMessage, str | None]:
     """A choice's next delta when it may call tools: content and calls as they become certain;
     the last one carries what the finished text still holds."""
-    content, calls = stream.feed(c.text)
-    finish_reason = c.finish_reason
+    content, calls = stream.feed(text)
     if finish_reason is not None:
         more_content, more_calls = stream.finish()
         content = (content or "") + (more_content or "") or None
