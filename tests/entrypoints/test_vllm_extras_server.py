@@ -118,3 +118,24 @@ def test_priority_needs_the_priority_policy(served):
     out = client.completions.create(model="m", prompt=PROMPT, max_tokens=2,
                                     extra_body={"priority": 0})  # fmt: skip
     assert out.choices[0].finish_reason == "length"
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(served):
+    """The legacy API's scoring request (lm-eval style): the prompt echoed with its logprobs,
+    no token generated or counted; without echo, or streamed, a 400."""
+    client, model = served
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=0, echo=True,
+                                    logprobs=1)  # fmt: skip
+    choice = out.choices[0]
+    lps = choice.logprobs
+    assert len(lps.tokens) == len(PROMPT) and lps.token_logprobs[0] is None
+    assert out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), -1)
+    for p in range(1, len(PROMPT)):
+        assert lps.token_logprobs[p] == pytest.approx(ref[p - 1, PROMPT[p]].item(), abs=1e-4)
+    assert choice.text == "".join(lps.tokens)
+    for bad in (dict(echo=False), dict(echo=True, stream=True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=0, **bad)
+        assert e.value.body["param"] == "max_tokens"

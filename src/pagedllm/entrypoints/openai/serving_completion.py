@@ -64,7 +64,15 @@ class OpenAIServingCompletion(OpenAIServing):
     def sampling_params(self, body: CompletionRequest) -> SamplingParams:
         if body.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
-        params = self.make_params(body.sampling_params, body.max_tokens, body.logprobs)
+        max_tokens = body.max_tokens
+        if max_tokens == 0:  # the legacy API's scoring: the prompt echoed, nothing generated
+            if not body.echo or body.stream:
+                raise OpenAIError(
+                    "max_tokens 0 scores the prompt: it needs echo and no stream",
+                    param="max_tokens",
+                )
+            max_tokens = 1  # the engine generates a token; the answer leaves it out
+        params = self.make_params(body.sampling_params, max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # the echoed prompt gets logprobs too
             params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         return params
@@ -112,7 +120,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """`echoed`: the RequestOutput whose prompt is echoed in front of this text, if any."""
         if body.logprobs is None or c.logprobs is None:
             return None
-        result = completion_logprobs(c.token_ids, c.logprobs, body.logprobs, offset)
+        token_ids = [] if body.max_tokens == 0 else c.token_ids  # scoring: the prompt's alone
+        result = completion_logprobs(token_ids, c.logprobs, body.logprobs, offset)
         if echoed is None or echoed.prompt_logprobs is None:
             return result
         prompt = echo_logprobs(
@@ -136,16 +145,17 @@ class OpenAIServingCompletion(OpenAIServing):
             usage.prompt_tokens += len(final.prompt_token_ids)
             echo = self._prompt_text(prompt) if body.echo else ""
             for c in final.outputs:
-                usage.completion_tokens += len(c.token_ids)
+                scoring = body.max_tokens == 0
+                usage.completion_tokens += 0 if scoring else len(c.token_ids)
                 choices.append(
                     CompletionChoice(
                         index=i * body.n + c.index,
-                        text=echo + c.text,
+                        text=echo + ("" if scoring else c.text),
                         logprobs=self._choice_logprobs(
                             body, c, len(echo), final if body.echo else None
                         ),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
+                        finish_reason="length" if scoring else c.finish_reason,
+                        stop_reason=None if scoring else c.stop_reason,
                         prompt_logprobs=self.prompt_logprobs(body, final),
                     )
                 )
