@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if max_tokens == 0:  # the legacy API's scoring: the prompt echoed, nothing generated
             if not body.echo or body.stream:
                 raise OpenAIError(
-                    "max_tokens 0 scores the prompt: it needs echo and no stream",
+                    "max_tokens must be >= 1, or 0 with echo and no stream (scoring the prompt)",
                     param="max_tokens",
                 )
             max_tokens = 1  # the engine generates a token; the answer leaves it out
