@@ -14,10 +14,13 @@
   where `--quantization auto` switches (layers/quantization/dual.py) (--dual);
 - fixed order: the same 120 projections in float32 at 1-256 rows through F.linear (MKL) and
   through the kernels' fixed-order products (docs/determinism.md): dense_linear on the float
-  weights and int4_linear on the codes (--fixed-order).
+  weights and int4_linear on the codes (--fixed-order);
+- lora: one rank-16 adapter on each of the default model's four projection shapes (the packed
+  ones' parts stacked: 48 columns for qkv, 32 for gate_up), bfloat16, at 1, 8 and 32 rows of one
+  slot: the C++ kernel (layers/lora.py's path) vs torch's two GEMMs and an add (--lora).
 
     python benchmarks/cpu_microbench.py [--attention] [--linear] [--quantized] [--dual]
-                                        [--fixed-order]
+                                        [--fixed-order] [--lora]
 """
 
 import functools
@@ -205,8 +208,38 @@ def fixed_order() -> None:
               f"({t_mkl / t_codes:.2f}x)")  # fmt: skip
 
 
+def lora() -> None:
+    import numpy as np
+
+    from pagedllm.layers.lora import LoRAContext, LoRAMapping, LoRASlots
+
+    torch.manual_seed(0)
+    # (name, out, in, parts): the default model's projections
+    shapes = [("qkv_proj", 960, 576, 3), ("o_proj", 576, 576, 1),
+              ("gate_up_proj", 3072, 576, 2), ("down_proj", 576, 1536, 1)]  # fmt: skip
+    for rows in (1, 8, 32):
+        cells = []
+        for name, n, k, parts in shapes:
+            slots = LoRASlots(LoRAContext(), 4, parts, 16, k, n, torch.bfloat16,
+                              torch.device("cpu"))  # fmt: skip
+            c = 16 * parts
+            slots.set_slot(1, torch.randn(c, k) / k**0.5, torch.randn(n, c) * 0.01)
+            slots.context.mapping = LoRAMapping(np.ones(rows, np.int64), torch.device("cpu"))
+            x, y = torch.randn(rows, k).bfloat16(), torch.randn(rows, n).bfloat16()
+            a, bt = slots.a[1, :c], slots.b[1, :c]
+            kernel = min(per_call_us(functools.partial(slots.apply, y, x), 200) for _ in range(3))
+            gemms = min(
+                per_call_us(lambda y=y, x=x, a=a, bt=bt: y.addmm_(x @ a.t(), bt), 200)
+                for _ in range(3)
+            )
+            cells.append(f"{name} {kernel:.1f} us (torch {gemms:.1f})")
+        print(f"LoRA rank 16, {rows} rows: " + ", ".join(cells))
+
+
 if __name__ == "__main__":
     chosen = set(sys.argv[1:]) or {"--attention", "--linear", "--quantized", "--dual"}
+    if "--lora" in chosen:
+        lora()
     if "--fixed-order" in chosen:
         fixed_order()
     if "--dual" in chosen:

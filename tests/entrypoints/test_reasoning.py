@@ -33,8 +33,8 @@ def test_whole_and_streamed_agree(parser, text):
     assert split_reasoning(parser, text) == CASES[parser, text]
     for size in range(1, len(text) + 1):
         stream = ReasoningStream(parser)
-        parts = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
-        parts.append(stream.finish())
+        starts = range(0, len(text), size)
+        parts = [stream.feed(text[i : i + size], last=i + size >= len(text)) for i in starts]
         joined = ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None)
         assert joined == CASES[parser, text], size
 

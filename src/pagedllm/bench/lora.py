@@ -35,6 +35,7 @@ from pagedllm.bench.utils import (
 from pagedllm.bench.workload import workload_from_tokenizer, workload_tokenizer
 from pagedllm.config import EngineArgs
 from pagedllm.lora_request import LoRARequest
+from pagedllm.model_loader.lora_adapter import projection_shapes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -82,21 +83,12 @@ def write_random_adapter(path: str, arch, rank: int, seed: int) -> None:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
-    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    shapes = {
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
-    }
+    shapes = projection_shapes(arch)
     tensors = {}
     for layer in range(arch.num_hidden_layers):
-        for name, (out, inp) in shapes.items():
-            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        for name in TARGETS:
+            out, inp = shapes[name]
+            part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01

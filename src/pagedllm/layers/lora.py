@@ -3,18 +3,21 @@ the row's slot, for all rows of a step at once (S-LoRA / Punica's batched form).
 
 Each LoRA-wrapped layer holds `max_loras` slots of stacked weights in the activations' dtype
 (also over quantized base weights): A [slots, parts x rank, in] and B [slots, out, parts x
-rank], where a packed layer (qkv_proj, gate_up_proj) stacks its parts' A along the rank and
-places each part's B on its own rows (block-diagonal), so one product serves every part. The
-scaling (lora_alpha / r) is folded into B. Slots are sized for --max-lora-rank; an adapter's
-own rank bounds the columns each product uses.
+rank] ([slots, parts x rank, out] on CPU), where a packed layer (qkv_proj, gate_up_proj) stacks
+its parts' A along the rank and places each part's B on its own rows (block-diagonal), so one
+product serves every part. The scaling (lora_alpha / r) is folded into B. Slots are sized for
+--max-lora-rank; an adapter's own rank bounds the columns each product uses.
 
 A step's rows carry their slot (-1: the base model alone) in a `LoRAMapping`, shared by every
-wrapped layer through one `LoRAContext`. On CPU each slot in the step is one gathered product
-(rows indexed by slot; a step of one adapter multiplies every row without gathering); on a GPU
-one Triton launch pair covers all slots (layers/lora_triton.py).
+wrapped layer through one `LoRAContext`. On CPU one C++ call covers all rows
+(kernels/csrc/lora.cpp: each row in one order, so batch invariant), torch's products per slot
+where it does not apply (no C++ kernels, float16); on a GPU one Triton launch pair
+(layers/lora_triton.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -23,18 +26,24 @@ from pagedllm import kernels
 
 
 class LoRAMapping:
-    """A step's rows -> adapter slots, as the layers use them: per slot in the step, the rows
-    it covers (None: every row)."""
+    """A step's rows -> adapter slots, as the layers use them."""
 
     def __init__(self, row_slots: np.ndarray, device: torch.device) -> None:
-        slots = np.unique(row_slots[row_slots >= 0])
+        self.row_slots_np, self.device = row_slots, device
         self.row_slots = torch.from_numpy(np.ascontiguousarray(row_slots)).to(device)
+
+    @functools.cached_property
+    def segments(self) -> list[tuple[int, torch.Tensor | None]]:
+        """Per slot in the step, the rows it covers (None: every row); only the torch path
+        needs them."""
+        row_slots = self.row_slots_np
+        slots = np.unique(row_slots[row_slots >= 0])
         if len(slots) == 1 and (row_slots == slots[0]).all():
-            self.segments = [(int(slots[0]), None)]
-        else:
-            self.segments = [
-                (int(s), torch.from_numpy(np.flatnonzero(row_slots == s)).to(device)) for s in slots
-            ]
+            return [(int(slots[0]), None)]
+        return [
+            (int(s), torch.from_numpy(np.flatnonzero(row_slots == s)).to(self.device))
+            for s in slots
+        ]
 
 
 class LoRAContext:
@@ -60,7 +69,6 @@ class LoRASlots:
         device: torch.device,
     ) -> None:
         self.context = context
-        self.num_parts, self.max_rank = num_parts, max_rank
         r = num_parts * max_rank
         self.a = torch.zeros(num_slots, r, input_size, dtype=dtype, device=device)
         # B by rank on CPU ([slots, r, out]: the kernel's expand reads outputs in a row), by

@@ -103,19 +103,23 @@ def _read(path: str, arch: ModelArchConfig) -> tuple[dict, dict[str, torch.Tenso
     return config, load_file(weights)
 
 
+def projection_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection an adapter may target, by its HF leaf name."""
+    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    return {
+        "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "qkv_proj": (q + 2 * kv, h),
+        "o_proj": (h, q), "gate_proj": (inter, h), "up_proj": (inter, h),
+        "gate_up_proj": (2 * inter, h), "down_proj": (h, inter),
+    }  # fmt: skip
+
+
 def _module_shape(name: str, arch: ModelArchConfig, path: str) -> tuple[int, int]:
     """(out, in) of the model's projection `name`, or a ValueError if it has none."""
     m = _MODULE.fullmatch(name)
     if m is None or int(m.group(1)) >= arch.num_hidden_layers:
         raise ValueError(f"{path}: the model has no module {name} to adapt")
-    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    leaf = m.group(2).split(".")[1]
-    return {
-        "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "qkv_proj": (q + 2 * kv, h),
-        "o_proj": (h, q), "gate_proj": (inter, h), "up_proj": (inter, h),
-        "gate_up_proj": (2 * inter, h), "down_proj": (h, inter),
-    }[leaf]  # fmt: skip
+    return projection_shapes(arch)[m.group(2).split(".")[1]]
 
 
 def _pattern(name: str, patterns: dict, default):

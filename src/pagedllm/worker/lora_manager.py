@@ -119,18 +119,11 @@ class LoRAManager:
     # -- every rank -----------------------------------------------------------------------------
     def load(self, slot: int, request: LoRARequest) -> None:
         """Fill `slot` with the adapter (read from disk unless in the host LRU)."""
-        packed = self.cpu_cache.get(request.lora_int_id)
-        if packed is None:
-            try:
-                adapter = load_lora_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
-            except Exception:
-                self._unassign(slot)  # not resident: the next step that needs it loads again
-                raise
-            packed = self._pack(adapter)
-            self.cpu_cache[request.lora_int_id] = packed
-            while len(self.cpu_cache) > self.config.max_cpu_loras:
-                self.cpu_cache.popitem(last=False)
-        self.cpu_cache.move_to_end(request.lora_int_id)
+        try:
+            packed = self._cached(request)
+        except Exception:
+            self._unassign(slot)  # not resident: the next step that needs it loads again
+            raise
         for (_, module, _), ab in zip(self.layers, packed, strict=True):
             module.lora.set_slot(slot, *(ab if ab is not None else (None, None)))
         if self.slot_ids[slot] != request.lora_int_id:  # ranks other than 0 follow rank 0

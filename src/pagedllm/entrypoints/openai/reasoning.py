@@ -17,10 +17,8 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
     """A whole answer -> (reasoning_content, content); None for an empty part."""
-    stream = ReasoningStream(parser)
-    reasoning, content = stream.feed(text)
-    more_reasoning, more_content = stream.finish()
-    return (reasoning + more_reasoning) or None, (content + more_content) or None
+    reasoning, content = ReasoningStream(parser).feed(text, last=True)
+    return reasoning or None, content or None
 
 
 class ReasoningStream:
@@ -35,7 +33,18 @@ class ReasoningStream:
         self.pending = ""  # text held back: it may be the start of a tag
         self.opened = False  # reasoning text has begun (a <think> after it is text)
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, last: bool = False) -> tuple[str, str]:
+        """The next delta's parts; `last`: the text is complete, nothing is held back."""
+        reasoning, content = self._feed(text)
+        if last:
+            held, self.pending = self.pending, ""
+            if self.state == "thinking":  # a tag that never came is text
+                reasoning += held
+            else:
+                content += held
+        return reasoning, content
+
+    def _feed(self, text: str) -> tuple[str, str]:
         reasoning, content = "", ""
         text = self.pending + text
         self.pending = ""
@@ -73,13 +82,6 @@ class ReasoningStream:
                 content += text
                 text = ""
         return reasoning, content
-
-    def finish(self) -> tuple[str, str]:
-        """What was held back once the text is complete: a tag that never came is text."""
-        held, self.pending = self.pending, ""
-        if self.state == "thinking":
-            return held, ""
-        return "", held
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -175,11 +175,9 @@ class OpenAIServing:
 
     def model_name(self, body) -> str:
         """The name the answer gives: the adapter's, or the base model's."""
-        return (
-            body.model
-            if self.loras is not None and body.model in self.loras.adapters
-            else (self.served_model_name)
-        )
+        if self.loras is not None and body.model in self.loras.adapters:
+            return body.model
+        return self.served_model_name
 
     def check_health(self) -> None:
         try:
@@ -280,13 +278,8 @@ class OpenAIServing:
         self.check_queue(len(prompts))
         gens = [
             self.async_engine.generate(
-                prompt,
-                params,
-                f"{request_id}-{i}",
-                delta=delta,
-                lora_request=lora,
-                priority=priority,
-            )  # fmt: skip
+                prompt, params, f"{request_id}-{i}", delta, lora_request=lora, priority=priority
+            )
             for i, prompt in enumerate(prompts)
         ]
         if self.metrics is not None:

@@ -215,10 +215,8 @@ class OpenAIServingChat(OpenAIServing):
                 text, reasoning = c.text, None
                 reasoning_stream = reasoning_streams.get(c.index)
                 if reasoning_stream is not None:
-                    reasoning, text = reasoning_stream.feed(c.text)
-                    if c.finish_reason is not None:
-                        more_reasoning, more_text = reasoning_stream.finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    last = c.finish_reason is not None
+                    reasoning, text = reasoning_stream.feed(c.text, last)
                 delta, finish_reason = DeltaMessage(content=text), c.finish_reason
                 tool_stream = tool_streams.get(c.index)
                 if tool_stream is not None:
