@@ -36,6 +36,7 @@ _ERROR_TYPES = {
 _STRUCTURED_FIELDS = {
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
 }  # fmt: skip
+EVENT_STREAM = "text/event-stream"
 MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
 
 
@@ -104,7 +105,7 @@ class OpenAIServing:
                 return JSONResponse({}, status_code=499)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self.stream_chunks(body, request_id, prompts, plan, stream, include_usage)
-            return DisconnectAwareStream(events(chunks, request_id), media_type="text/event-stream")
+            return DisconnectAwareStream(self.frame(chunks, request_id), media_type=EVENT_STREAM)
         try:
             finals = await unless_disconnected(raw, self.final_outputs(gens))
         except Exception as e:
@@ -142,6 +143,11 @@ class OpenAIServing:
         """The stream's chunks as JSON text (events() frames them), from the merged outputs
         tagged with their prompt's index."""
         raise NotImplementedError
+
+    def frame(self, chunks: AsyncIterator, request_id: str) -> AsyncIterator[str]:
+        """The stream's chunks as server-sent events (OpenAI's: data lines, then [DONE]); an API
+        with named events (Responses, Anthropic's Messages) frames its own."""
+        return events(chunks, request_id)
 
     # -- the steps ------------------------------------------------------------------------------
     def check_model(self, model: str | None):

@@ -191,6 +191,19 @@ class OpenAIServingChat(OpenAIServing):
         stream: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
     ) -> AsyncIterator[str]:
+        chunks = self.chunk_objects(body, request_id, plan, stream, include_usage)
+        async for chunk in chunks:
+            yield chunk.model_dump_json()
+
+    async def chunk_objects(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        plan: ToolPlan,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        include_usage: bool,
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        """The stream's chunks as objects (APIs built on chat's turn them into their events)."""
         model = self.model_name(body)
         num_logprobs = self._num_logprobs(body)
         usage = UsageInfo()
@@ -205,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
             delta = DeltaMessage(role="assistant", content="")
             role = ChatStreamChoice(index=index, delta=delta)
             chunk = ChatCompletionChunk(id=request_id, model=model, choices=[role])
-            yield chunk.model_dump_json()
+            yield chunk
         async for _, output in stream:
             usage.prompt_tokens = len(output.prompt_token_ids)
             for c in output.outputs:
@@ -231,12 +244,10 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
-                chunk = ChatCompletionChunk(id=request_id, model=model, choices=[choice])
-                yield chunk.model_dump_json()
+                yield ChatCompletionChunk(id=request_id, model=model, choices=[choice])
         if include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-            chunk = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
-            yield chunk.model_dump_json()
+            yield ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
 
 
 def _tool_delta(
