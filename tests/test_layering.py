@@ -11,7 +11,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top; a unit may import units of lower layers only (and itself).
 LAYERS = [
-    ["config", "logger", "cpu_info", "outputs", "sampling_params", "lora_request", "version"],
+    [
+        "config",
+        "logger",
+        "cpu_info",
+        "outputs",
+        "sampling_params",
+        "pooling_params",
+        "lora_request",
+        "version",
+    ],  # fmt: skip
     ["request"],
     ["core"],
     ["kernels", "kv_calc"],

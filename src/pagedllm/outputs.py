@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # One dict per generated token: token id -> Logprob (the sampled token is always included).
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -42,6 +43,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     # Speculative decoding: draft tokens proposed for each sequence's next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Embedding requests whose prompt this step completed: the pooled hidden state (float32,
+    # on the CPU; normalized and cut to `dimensions` when asked).
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,6 +83,30 @@ class RequestOutput:
     # Set when processing this request's output failed: the request was stopped and its blocks
     # freed, the others went on; `outputs` is then empty.
     error: str | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """An embedding: the prompt's pooled hidden state (float32, normalized when asked)."""
+
+    data: Any  # a 1-D torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's one output (vLLM's shape), when its prompt is computed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # as RequestOutput's; `outputs` is then None
 
 
 @dataclass

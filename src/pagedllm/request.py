@@ -103,6 +103,10 @@ class Request:
         # Speculative decoding: the draft tokens proposed to follow `all_token_ids`, verified
         # by the next step (never part of the tokens until accepted).
         self.spec_token_ids: list[int] = []
+        # Embedding requests (a pooling_params.PoolingParams): prefill-only, they end with
+        # `pooled`, the prompt's pooled hidden state (a float32 CPU tensor), and sample nothing.
+        self.pooling_params: Any = None
+        self.pooled: Any = None
         self.group = SequenceGroup(self)
 
     @property
@@ -116,6 +120,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """True when every prompt position must be computed here (no prefix-cache hits):
+        prompt logprobs score them all, and mean or first-token pooling reads their hidden
+        states (cached blocks hold K/V, not hidden states)."""
+        if self.sampling_params.prompt_logprobs is not None:
+            return True
+        return self.pooling_params is not None and self.pooling_params.pooling_type != "LAST"
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

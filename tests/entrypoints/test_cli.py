@@ -105,7 +105,7 @@ def test_every_engine_flag_round_trips():
         kv_allocation="pow2", deterministic=False,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
         enable_lora=True, max_loras=3, max_lora_rank=64, max_cpu_loras=8,
-        scheduling_policy="priority",
+        scheduling_policy="priority", runner="pooling", pooling_type="MEAN",
     )  # fmt: skip
     defaults = EngineArgs()
     changed = {

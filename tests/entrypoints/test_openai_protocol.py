@@ -89,7 +89,7 @@ def _stub_engine(alive=True):
         model_name="stub",
         args=SimpleNamespace(model=None),
         model_config=SimpleNamespace(vocab_size=10),
-        config=SimpleNamespace(lora=None),
+        config=SimpleNamespace(lora=None, model=SimpleNamespace(runner="generate")),
         lora_stats=lambda: None,
         get_stats=lambda: {
             "num_running": 2,

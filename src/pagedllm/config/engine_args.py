@@ -16,6 +16,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# What the engine serves: generation, or embeddings (prefill-only requests, pooled);
+# auto: pooling for a model that declares its pooling (a sentence-transformers directory).
+RUNNERS = ("auto", "generate", "pooling")
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 # vLLM's --kv-cache-dtype names; fp8 is e4m3. int8/fp8: one byte per value + a scale per row.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -111,6 +114,19 @@ class EngineArgs:
         "fcfs | priority: with priority, requests run by their priority (lower values first; "
         "vLLM's), arrival order within a level, and preemption takes the lowest first",
         choices=SCHEDULING_POLICIES,
+    )
+    runner: str = _flag(
+        "auto",
+        "auto | generate | pooling: pooling serves embeddings (/v1/embeddings, LLM.embed): each "
+        "prompt is computed once and its hidden states pooled; auto picks pooling for a model "
+        "that declares its pooling (a sentence-transformers directory)",
+        choices=RUNNERS,
+    )
+    pooling_type: str | None = _flag(
+        None,
+        "LAST | MEAN | CLS: how the pooling runner turns a prompt's hidden states into one "
+        "vector (default: the model's own pooling config, else LAST)",
+        choices=("LAST", "MEAN", "CLS"),
     )
     swap_space: float = _flag(
         4.0,
@@ -218,10 +234,12 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.pooling_type is not None:
+            self.pooling_type = self.pooling_type.upper()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices is not None and value not in choices:
+            if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
         parse_bytes(self.kv_cache_memory)
         SpeculativeConfig.parse(self.speculative_config)

@@ -30,6 +30,8 @@ class ModelConfig:
     enforce_eager: bool
     # Batch invariant: the CPU kernels' fixed-order products and attention (docs/determinism.md)
     deterministic: bool = False
+    runner: str = "generate"  # or "pooling": embeddings only (--runner)
+    pooling_type: str = "LAST"  # the pooling runner's: LAST | MEAN | CLS
 
 
 @dataclass(frozen=True)
@@ -108,15 +110,25 @@ class EngineConfig:
         `device` ("cpu" or "cuda"), where --dtype auto means `auto_dtype`; `native_bf16`:
         whether the CPU has bf16 instructions."""
         args.validate()
+        if arch.is_encoder:
+            _check_encoder(args)
         max_model_len = _max_model_len(args.max_model_len, arch.max_position_embeddings)
         budget = args.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
-        if not args.enable_chunked_prefill and budget < max_model_len:
+        # An encoder's prompt runs whole in one step: no chunks, no cached prefix (its
+        # attention reads this step's tokens only).
+        chunked_prefill = args.enable_chunked_prefill and not arch.is_encoder
+        prefix_caching = args.enable_prefix_caching and not arch.is_encoder
+        if not chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
                 f"({max_model_len}) with chunked prefill disabled: raise "
                 "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill"
             )
         kv_cache_memory = parse_bytes(args.kv_cache_memory)
+        if kv_cache_memory is None and arch.is_encoder:
+            # Blocks only bound a step's tokens (the encoder reads none back): one step's worth
+            per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
+            kv_cache_memory = (budget + args.max_num_seqs * args.block_size) * per_token
         if kv_cache_memory is None and device == "cpu":
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
         swap = int(args.swap_space * 2**30) if args.preemption_mode == "swap" else 0
@@ -135,6 +147,8 @@ class EngineConfig:
                 _deterministic(
                     args.deterministic, dtype, device, args.attention_backend, native_bf16
                 ),
+                _runner(args.runner, arch),
+                args.pooling_type or arch.pooling_type or ("CLS" if arch.is_encoder else "LAST"),
             ),  # fmt: skip
             cache=CacheConfig(
                 args.block_size,
@@ -143,14 +157,14 @@ class EngineConfig:
                 args.gpu_memory_utilization,
                 args.num_gpu_blocks_override,
                 swap,
-                args.enable_prefix_caching,
+                prefix_caching,
                 args.kv_allocation,
             ),  # fmt: skip
             scheduler=SchedulerConfig(
                 args.max_num_seqs,
                 budget,
                 max_model_len,
-                args.enable_chunked_prefill,
+                chunked_prefill,
                 args.preemption_mode,
                 args.max_loras if args.enable_lora else 0,
                 args.scheduling_policy,
@@ -161,6 +175,29 @@ class EngineConfig:
             speculative=_speculative(args),
             lora=_lora(args),
         )
+
+
+def _runner(runner: str, arch: ModelArchConfig) -> str:
+    """--runner auto: pooling for an encoder or a model that declares its pooling, else
+    generation."""
+    if runner != "auto":
+        return runner
+    return "pooling" if arch.pooling_type is not None or arch.is_encoder else "generate"
+
+
+def _check_encoder(args: EngineArgs) -> None:
+    """What an encoder (BERT) cannot do here, refused with the reason."""
+    refused = {
+        "--runner generate (an encoder only embeds: use --runner pooling)":
+            args.runner == "generate",
+        "--tensor-parallel-size > 1": args.tensor_parallel_size > 1,
+        "--enable-lora": args.enable_lora,
+        "--speculative-config": args.speculative_config is not None,
+        f"--kv-allocation {args.kv_allocation}": args.kv_allocation != "paged",
+    }  # fmt: skip
+    for what, asked in refused.items():
+        if asked:
+            raise ValueError(f"encoder models (BERT) run on one rank with paged blocks: {what}")
 
 
 def _lora(args: EngineArgs) -> LoRAConfig | None:

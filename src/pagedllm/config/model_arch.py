@@ -47,6 +47,15 @@ class ModelArchConfig:
     # tanh soft-capping: cap * tanh(x / cap) of attention scores / final logits (Gemma).
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # The pooling a sentence-transformers model directory declares (1_Pooling/config.json):
+    # LAST, MEAN or CLS; None for a model without one (an embedding model if set).
+    pooling_type: str | None = None
+    # An encoder (BERT): every token attends to the whole prompt both ways, so a prompt runs in
+    # one step and is only pooled (no generation). Its post-norm LayerNorms' epsilon and the
+    # number of token types (only type 0 is used).
+    is_encoder: bool = False
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 2
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None for a full-attention layer."""

@@ -88,8 +88,8 @@ class KVCacheManager:
         (per group, the blocks to take), and the number of tokens they hold. At least the last
         token is always left to compute (its logits are needed), so a hit covering all tokens on
         a block boundary gives up its last block."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [[] for _ in self.groups], 0  # prompt logprobs need every position computed
+        if not self.enable_prefix_caching or request.needs_every_position:
+            return [[] for _ in self.groups], 0
         hashes = update_block_hashes(request, self.block_size)
         num_blocks = (request.num_tokens - 1) // self.block_size
         while True:  # shrink until every group agrees (a sliding group's answer can jump)

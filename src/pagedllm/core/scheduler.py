@@ -406,6 +406,7 @@ class Scheduler:
         first token, stepping beam search), finish sequences that stop. Returns the groups that
         got tokens, in step order."""
         groups: dict[str, SequenceGroup] = {}
+        pooled = []
         for seq in scheduler_output.scheduled_requests:
             if seq.is_finished():  # aborted while the step ran
                 continue
@@ -418,13 +419,19 @@ class Scheduler:
                 num_new -= len(drafts) - num_accepted
                 self.kv_cache_manager.trim(seq, seq.num_computed_tokens + num_new)
             seq.num_computed_tokens += num_new
-            if seq.seq_id in output.sampled_token_ids or seq.seq_id in output.beam_candidates:
+            if seq.seq_id in output.pooled:  # an embedding request: done with its prompt
+                seq.pooled = output.pooled[seq.seq_id]
+                pooled.append(seq)
+                groups.setdefault(seq.group.request_id, seq.group)
+            elif seq.seq_id in output.sampled_token_ids or seq.seq_id in output.beam_candidates:
                 groups.setdefault(seq.group.request_id, seq.group)
         for group in groups.values():
             if group.is_beam_search:
                 self._step_beam_search(group, output)
             else:
                 self._append_samples(group, output)
+        for seq in pooled:
+            self.finish_seq(seq, RequestStatus.FINISHED_STOPPED)
         return list(groups.values())
 
     def _append_samples(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:

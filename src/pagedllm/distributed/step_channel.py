@@ -47,6 +47,9 @@ class StepInputs:
     # (slot, LoRARequest) loads to make first (sent pickled: they carry paths)
     lora_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # [T] or [0]
     lora_loads: list = field(default_factory=list)
+    # Embedding requests: the rows whose hidden states rank 0 pools (not sent: the other ranks
+    # have nothing to do with them)
+    pooling_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [H]
 
 
 def pairs(moves) -> np.ndarray:

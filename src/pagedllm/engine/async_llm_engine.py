@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -85,14 +86,15 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         delta: bool = False,
         cache_salt: str | None = None,
         lora_request=None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes. Bad input raises ValueError on the first
+        """Outputs of one request until it finishes (an embedding request, PoolingParams:
+        its one PoolingRequestOutput). Bad input raises ValueError on the first
         iteration. Leaving the loop early (a client disconnects, the task is cancelled) aborts
         the request, which frees its blocks before the next step."""
         self.check_health()

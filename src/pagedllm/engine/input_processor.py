@@ -4,10 +4,13 @@ the resolved output budget, and the structured-output grammar."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.lora_adapter import load_lora_adapter
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
@@ -46,7 +49,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None,
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
@@ -55,6 +58,18 @@ class InputProcessor:
         """The request's first sequence (its group is `request.group`); ValueError if it is
         one the engine must refuse."""
         config = self.config
+        pooling = isinstance(params, PoolingParams)
+        runner = config.model.runner
+        if pooling != (runner == "pooling"):
+            raise ValueError(
+                "this engine runs the pooling runner (--runner pooling): it serves embeddings, "
+                "not generation" if runner == "pooling" else
+                "embeddings need the pooling runner: start the engine with --runner pooling"
+            )  # fmt: skip
+        if pooling:
+            return self._pooling_request(
+                request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
+            )
         max_num_seqs = config.scheduler.max_num_seqs
         if params.num_sequences > max_num_seqs:
             raise ValueError(
@@ -98,6 +113,33 @@ class InputProcessor:
             request.grammar = self._structured_outputs().grammar(params.structured_outputs)
         return request
 
+    def _pooling_request(
+        self, request_id, prompt, params: PoolingParams, arrival_time, cache_salt, lora_request,
+        priority,
+    ) -> Request:  # fmt: skip
+        """An embedding request: prefill-only (its placeholder SamplingParams are never read
+        for sampling), pooled as the engine pools."""
+        config = self.config
+        hidden_size = config.model.arch.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise ValueError(
+                f"dimensions must be at most the model's hidden size {hidden_size}, "
+                f"got {params.dimensions}"
+            )
+        if priority != 0 and config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs --scheduling-policy priority")
+        if lora_request is not None:
+            self.check_lora(lora_request)
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids, room_for_output=False)
+        params = dataclasses.replace(params, pooling_type=config.model.pooling_type)
+        request = Request(
+            request_id, token_ids, SamplingParams(max_tokens=1), self.eos_token_ids, 1, text,
+            arrival_time, cache_salt=cache_salt, lora_request=lora_request, priority=priority,
+        )  # fmt: skip
+        request.pooling_params = params
+        return request
+
     def check_lora(self, lora_request: LoRARequest) -> None:
         """ValueError unless LoRA is on and the adapter can run on this model (read once per
         adapter id; an id names one adapter)."""
@@ -124,11 +166,16 @@ class InputProcessor:
             )
         return self._structured_output_manager
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def _validate_prompt(self, token_ids: list[int], room_for_output: bool = True) -> None:
         max_model_len = self.config.scheduler.max_model_len
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if len(token_ids) >= max_model_len:
+        if not room_for_output and len(token_ids) > max_model_len:
+            raise ValueError(
+                f"the input is {len(token_ids)} tokens long, but max_model_len is "
+                f"{max_model_len}: shorten it or raise --max-model-len"
+            )
+        if room_for_output and len(token_ids) >= max_model_len:
             raise ValueError(
                 f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
                 f"{max_model_len}: shorten the prompt (it needs room for at least one "

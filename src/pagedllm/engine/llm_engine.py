@@ -23,6 +23,7 @@ from pagedllm.executor import Executor, create_executor
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.lora_manager import LoRALoadError
@@ -169,7 +170,7 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         delta: bool = False,
         cache_salt: str | None = None,
@@ -179,7 +180,8 @@ class LLMEngine:
         """Queue a request; `delta=True` makes each output carry only the new text and tokens.
         Requests share prefix-cached blocks only with requests of the same `cache_salt` and
         LoRA adapter (`lora_request`, with --enable-lora). `priority`: with --scheduling-policy
-        priority, lower values run first."""
+        priority, lower values run first. PoolingParams (with --runner pooling): an embedding
+        request, whose one output is a PoolingRequestOutput."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):

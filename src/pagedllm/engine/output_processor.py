@@ -18,6 +18,8 @@ from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
     ModelRunnerOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
 )
@@ -100,7 +102,7 @@ class OutputProcessor:
                 self.num_first_tokens_total += 1
                 self.time_to_first_token_seconds_total += max(0.0, now - group.arrival_time)
             state.metrics.last_token_time = now
-            if not group.is_beam_search:
+            if not group.is_beam_search and group.first.pooling_params is None:
                 try:
                     self._process_samples(state)
                 except Exception as e:  # noqa: BLE001 - fails this request only
@@ -203,13 +205,21 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _make_output(self, state: RequestState, now: float) -> RequestOutput | None:
+    def _make_output(
+        self, state: RequestState, now: float
+    ) -> RequestOutput | PoolingRequestOutput | None:
         group = state.group
         params = group.sampling_params
         finished = group.is_finished()
         if finished:
             state.metrics.finished_time = now
             del self.states[group.request_id]
+        first = group.first
+        if first.pooling_params is not None:  # finished: pooled when its prompt was computed
+            return PoolingRequestOutput(
+                group.request_id, first.prompt, first.prompt_token_ids,
+                PoolingOutput(first.pooled), metrics=state.metrics,
+            )  # fmt: skip
         if group.is_beam_search:
             if not finished:
                 return None
@@ -224,7 +234,6 @@ class OutputProcessor:
             if state.delta:  # only the sequences that advanced since the last output
                 seqs = [s for s in seqs if s.num_output_tokens > state.num_sent.get(s.seq_id, 0)]
             completions = [self._completion(state, s, s.sample_index, finished) for s in seqs]
-        first = group.first
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             # vLLM's shape: None for the first prompt token, then one dict per prompt token.

@@ -10,7 +10,13 @@ from tqdm import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = list[dict]
@@ -61,7 +67,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, SamplingParams | PoolingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(
@@ -90,6 +96,18 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`output.outputs.embedding`), pooled as the engine pools
+        (needs runner="pooling", or a model that declares its pooling)."""
+        params = PoolingParams() if pooling_params is None else pooling_params
+        return self.generate(prompts, params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -164,7 +182,8 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     num_in += len(output.prompt_token_ids)
-                    num_out += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        num_out += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = time.perf_counter() - start
                     speed = f"input: {num_in / elapsed:.1f}, output: {num_out / elapsed:.1f} toks/s"
                     bar.set_postfix_str(speed)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 import torch
@@ -29,14 +31,16 @@ _REQUIRED_INTS = (
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object from `path`; ValueError naming the file if it is not one."""
+def _read_json(path: Path, kind: type = dict) -> Any:
+    """A JSON object (or a `kind`) from `path`; ValueError naming the file if it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
+    if kind is list and not isinstance(data, list):
+        raise ValueError(f"{path} must hold a JSON list, not a {type(data).__name__}")
+    if kind is dict and not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
     return data
 
@@ -93,6 +97,16 @@ def _arch_options(arch: str, cfg: dict) -> dict:
         return {"qkv_bias": True}  # q/k/v always carry a bias, o_proj never
     if arch == "Qwen3ForCausalLM":
         return {"qk_norm": True}
+    if arch == "BertModel":
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"BERT with {cfg['position_embedding_type']} position embeddings")
+        if cfg.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(f"BERT with hidden_act {cfg['hidden_act']!r} (only gelu)")
+        return {
+            "is_encoder": True,
+            "layer_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+            "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        }  # fmt: skip
     if arch == "GraniteForCausalLM":
         return {
             "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
@@ -185,7 +199,35 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
 def load_hf_config(path: str | os.PathLike) -> ModelArchConfig:
     """From a model directory's config.json, or a config.json path."""
     path = Path(path)
-    return _config_from_file(path / "config.json" if path.is_dir() else path)
+    config = _config_from_file(path / "config.json" if path.is_dir() else path)
+    pooling = _sentence_transformers_pooling(path if path.is_dir() else path.parent)
+    return config if pooling is None else dataclasses.replace(config, pooling_type=pooling)
+
+
+# sentence-transformers' Pooling module: which of its modes a directory turns on.
+_POOLING_MODES = {
+    "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
+    "pooling_mode_lasttoken": "LAST",
+}  # fmt: skip
+
+
+def _sentence_transformers_pooling(directory: Path) -> str | None:
+    """The pooling a sentence-transformers model directory declares (modules.json naming a
+    Pooling module and its config); None when it declares none we serve."""
+    modules_file = directory / "modules.json"
+    if not modules_file.is_file():
+        return None
+    for module in _read_json(modules_file, list):
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            config = _read_json(directory / str(module.get("path", "")) / "config.json")
+            modes = [kind for key, kind in _POOLING_MODES.items() if config.get(key)]
+            if len(modes) != 1:
+                raise ValueError(
+                    f"{directory}: its pooling module turns on {len(modes)} of the modes this "
+                    "engine serves (mean, cls, last token); it needs exactly one"
+                )
+            return modes[0]
+    return None
 
 
 def _config_from_file(path: Path) -> ModelArchConfig:
@@ -314,6 +356,14 @@ def _chat_template(directory: Path, tok_cfg: dict) -> str | None:
     return template
 
 
+def _appends_specials(backend: tokenizers.Tokenizer) -> bool:
+    """Whether tokenizer.json's post-processor puts special tokens after the text (BERT's
+    [CLS] ... [SEP]): then its own rule adds the special tokens, not our BOS policy."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    return len(full) > len(plain) and full[len(full) - len(plain) :] != plain
+
+
 def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
     """Tokenizer from tokenizer.json, tokenizer_config.json, chat_template.jinja; None if absent."""
     directory = Path(directory)
@@ -325,6 +375,9 @@ def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
         raise ValueError(
             f"{directory / 'tokenizer.json'} is not a readable tokenizer: {e}"
         ) from None
+    # A prompt is encoded whole, never padded to a length or cut (some files ask for both)
+    backend.no_padding()
+    backend.no_truncation()
     cfg_path = directory / "tokenizer_config.json"
     tok_cfg = _read_json(cfg_path) if cfg_path.exists() else {}
     special = {}
@@ -342,6 +395,7 @@ def load_hf_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
         return Tokenizer(
             backend,
             add_bos_token=bool(add_bos),
+            post_processor_specials=_appends_specials(backend),
             chat_template=_chat_template(directory, tok_cfg),
             **special,
         )

@@ -2,7 +2,8 @@
 
 The BOS policy lives here, not in the backend's post-processor: the backend always encodes with
 `add_special_tokens=False` and we prepend BOS when `add_bos_token` says so. That gives GGUF files
-(which have no post-processor) and tokenizer.json files one behaviour.
+(which have no post-processor) and tokenizer.json files one behaviour. Encoders (BERT) are the
+exception: their post-processor also appends tokens ([SEP]), so it adds their special tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ class Tokenizer:
         pad_token: str | None = None,
         add_bos_token: bool = False,
         chat_template: str | None = None,
+        post_processor_specials: bool = False,
     ):
         self.backend = backend
+        # The backend's post-processor adds the special tokens (an encoder's [CLS] ... [SEP])
+        # instead of the BOS policy
+        self.post_processor_specials = post_processor_specials
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.unk_token = unk_token
@@ -64,6 +69,8 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.post_processor_specials:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token:
             ids = [self.bos_token_id, *ids]

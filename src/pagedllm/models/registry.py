@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.bert import BertModel
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -18,6 +19,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "BertModel": BertModel,  # an encoder: embeddings only (the pooling runner)
 }
 
 # general.architecture in a GGUF file -> the HF architecture it loads as. llama.cpp's converter

@@ -40,6 +40,8 @@ class StepPlan:
     # One per prompt_logits_rows row: the request and the prompt position the row scores.
     prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)  # the token at that position
+    # Embedding requests this step: (request, its first pooling row, rows, prompt done)
+    pooling: list[tuple[Request, int, int, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class StepLogits:
 
     prompt: torch.Tensor | None
     sample: torch.Tensor | None
+    pooling: torch.Tensor | None = None  # hidden states of the pooling rows (rank 0, float32)
 
 
 class ModelRunner:
@@ -76,6 +79,9 @@ class ModelRunner:
         # Per request id: sample index -> the generator of a seeded sample, created on its first
         # token and carried across steps (and preemptions) until the request finishes.
         self.generators: dict[str, dict[int, torch.Generator]] = {}
+        # Per embedding request whose prompt is computed in chunks: what is pooled so far (the
+        # sum for mean pooling, the first row for CLS).
+        self.pooling_state: dict[str, torch.Tensor] = {}
         self.kv_cache: KVCache | None = None
         # Block copies (copy-on-write, swap) run on the attention backend's kernels.
         self._copy_blocks = get_attention_backend(attention_backend, device).copy_blocks
@@ -83,6 +89,7 @@ class ModelRunner:
     def forget_requests(self) -> None:
         """Drop every request's state (another engine takes this runner over)."""
         self.generators.clear()
+        self.pooling_state.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -124,6 +131,7 @@ class ModelRunner:
         request may reuse a finished one's id in this very step."""
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
+            self.pooling_state.pop(request_id, None)
         if self.proposer is not None and so.finished_request_ids:
             self.proposer.finish(so.finished_request_ids)
         step = StepInputs(
@@ -162,7 +170,10 @@ class ModelRunner:
 
         plan = StepPlan()
         prompt_rows = self._plan_prompt_logprobs(so, plan)
-        sample_rows = [i for i, r in enumerate(reqs) if so.needs_sample(r)]
+        pooling_rows = self._plan_pooling(reqs, num_computed, query_start_loc, plan)
+        sample_rows = [
+            i for i, r in enumerate(reqs) if r.pooling_params is None and so.needs_sample(r)
+        ]
         plan.sample_reqs = [reqs[i] for i in sample_rows]
         plan.drafts = [spec.get(reqs[i].seq_id, []) for i in sample_rows]
         # A request's last row, and before it one per draft it verifies.
@@ -173,7 +184,7 @@ class ModelRunner:
             step, input_ids=input_ids, positions=positions, req_index=req_index,
             query_lens=num_scheduled, seq_lens=seq_lens, block_tables=block_tables,
             prompt_logits_rows=np.asarray(prompt_rows, np.int64),
-            sample_logits_rows=ends + back,
+            sample_logits_rows=ends + back, pooling_rows=pooling_rows,
         )  # fmt: skip
         if self.lora is not None:
             self._plan_lora(reqs, num_scheduled, step)
@@ -188,6 +199,27 @@ class ModelRunner:
         req_slots = [-1 if r.lora_request is None else slots[r.lora_request.lora_int_id]
                      for r in reqs]  # fmt: skip
         step.lora_slots = np.repeat(np.array(req_slots, np.int64), num_scheduled)
+
+    @staticmethod
+    def _plan_pooling(reqs, num_computed, query_start_loc, plan: StepPlan) -> np.ndarray:
+        """The rows each embedding request pools this step: the last prompt token's (LAST),
+        the first's (CLS), or every row (MEAN, summed across chunks)."""
+        rows = []
+        for i, r in enumerate(reqs):
+            if r.pooling_params is None:
+                continue
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            done = num_computed[i] + end - start >= r.num_prompt_tokens
+            kind = r.pooling_params.pooling_type
+            if kind == "MEAN":
+                mine = range(start, end)
+            elif kind == "CLS":
+                mine = range(start, start + 1) if num_computed[i] == 0 else range(0)
+            else:
+                mine = range(end - 1, end) if done else range(0)
+            plan.pooling.append((r, len(rows), len(mine), done))
+            rows.extend(mine)
+        return np.asarray(rows, np.int64)
 
     def _plan_prompt_logprobs(self, so: SchedulerOutput, plan: StepPlan) -> list[int]:
         """The rows scoring prompt tokens, for requests asking prompt_logprobs: every prompt
@@ -231,9 +263,13 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.set_mapping(None)
+        pooling = None
+        if len(step.pooling_rows):
+            pooling = hidden[torch.from_numpy(step.pooling_rows).to(self.device)].float()
         return StepLogits(
             self._logits(hidden, step.prompt_logits_rows),
             self._logits(hidden, step.sample_logits_rows),
+            pooling,
         )
 
     def _logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor | None:
@@ -277,6 +313,8 @@ class ModelRunner:
         output = ModelRunnerOutput({})
         if logits is None:
             return output
+        if plan.pooling:
+            self._pool(logits.pooling, plan, output)
         if logits.prompt is not None:
             self._prompt_logprobs(logits.prompt, plan, output)
         if not plan.sample_reqs:
@@ -363,6 +401,31 @@ class ModelRunner:
             start += len(drafts) + 1
         plain_logits = logits[torch.tensor(plain_rows, dtype=torch.long, device=self.device)]
         return plain_logits, plain_reqs
+
+    def _pool(self, hidden: torch.Tensor | None, plan: StepPlan, output: ModelRunnerOutput):
+        """Each embedding request's rows into its pooled vector, finished when its prompt is."""
+        for r, first, count, done in plan.pooling:
+            rows = hidden[first : first + count] if count else None
+            kind, state = r.pooling_params.pooling_type, self.pooling_state
+            if rows is not None and kind == "MEAN":
+                # A chunk at position 0 starts over (a recomputed prompt)
+                total = rows.sum(0)
+                if r.num_computed_tokens and r.request_id in state:
+                    total = state[r.request_id] + total
+                state[r.request_id] = total
+            elif rows is not None:
+                state[r.request_id] = rows[0]
+            if not done:
+                continue
+            vector = state.pop(r.request_id)
+            if kind == "MEAN":
+                vector = vector / r.num_prompt_tokens
+            params = r.pooling_params
+            if params.dimensions is not None:
+                vector = vector[: params.dimensions]
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+            output.pooled[r.seq_id] = vector.cpu()
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, plan: StepPlan, output: ModelRunnerOutput

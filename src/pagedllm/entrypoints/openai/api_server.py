@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai import dashboard
+from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.lora import LoRARegistry, add_lora_routes
 from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
 from pagedllm.entrypoints.openai.protocol import (
@@ -40,6 +41,7 @@ from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.tools import offered_tools
 from pagedllm.version import __version__
 
@@ -153,6 +155,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     loras = _lora_registry(async_engine, config)
     completions = OpenAIServingCompletion(async_engine, config, metrics, loras)
     chat = OpenAIServingChat(async_engine, config, metrics, loras)
+    embeddings = OpenAIServingEmbedding(async_engine, config, metrics, loras)
     app.state.async_engine = async_engine
 
     @app.exception_handler(OpenAIError)
@@ -242,6 +245,14 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request):
+        return await embeddings.create(body, request)
+
+    @app.post("/pooling")
+    async def create_pooling(body: PoolingRequest, request: Request):
+        return await embeddings.create(body, request, pooling=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -149,7 +149,7 @@ class RequestMetrics:
                 if last is not None:
                     self.itl.observe(now - last)
                 last = now
-                if delta or output.finished:
+                if (delta or output.finished) and isinstance(output, RequestOutput):
                     generated += sum(len(c.token_ids) for c in output.outputs)
                 if output.finished:
                     self._finished(output, generated)
@@ -160,7 +160,9 @@ class RequestMetrics:
     def _finished(self, output: RequestOutput, generated: int) -> None:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(generated)
-        reason = output.outputs[0].finish_reason if output.outputs else None
+        reason = "stop"  # an embedding request's, once its prompt is pooled
+        if isinstance(output, RequestOutput):
+            reason = output.outputs[0].finish_reason if output.outputs else None
         self.success.labels(self.model_name, reason or "abort").inc()
         m = output.metrics
         if m is None:

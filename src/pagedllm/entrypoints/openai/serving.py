@@ -86,6 +86,11 @@ class OpenAIServing:
         engine's generators, then the stream or, once every output is final, the response."""
         lora = self.check_model(body.model)
         self.check_health()
+        if self.engine.config.model.runner == "pooling":
+            raise OpenAIError(
+                "this server runs the pooling runner (an embedding model, or --runner pooling): "
+                "it serves /v1/embeddings and /pooling, not generation"
+            )
         params = self.sampling_params(body)
         self.check_limits(params)
         if body.stream and params.num_sequences > params.n and not params.use_beam_search:

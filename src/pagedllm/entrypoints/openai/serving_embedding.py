@@ -1,0 +1,133 @@
+"""POST /v1/embeddings (and vLLM's /pooling) on an engine running the pooling runner: each
+input is one prefill-only request, batched with the others by the scheduler; its pooled hidden
+state comes back as floats or base64 (little-endian float32, which the openai SDK asks for by
+default and decodes)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedllm.entrypoints.openai.embedding_protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    PoolingData,
+)
+from pagedllm.entrypoints.openai.protocol import random_id
+from pagedllm.entrypoints.openai.serving import (
+    OpenAIError,
+    OpenAIServing,
+    engine_error,
+    request_failed,
+    unless_disconnected,
+)
+from pagedllm.pooling_params import PoolingParams
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    id_prefix = "embd"
+
+    async def create(self, body: EmbeddingRequest, raw: Request, pooling: bool = False):
+        """The embeddings of body.input, in its order; `pooling`: vLLM's /pooling shape."""
+        lora = self.check_model(body.model)
+        self.check_health()
+        if self.engine.config.model.runner != "pooling":
+            raise OpenAIError(
+                "this server generates text: embeddings need a server started with "
+                "--runner pooling (or an embedding model)", param="input",
+            )  # fmt: skip
+        hidden_size = self.engine.model_config.hidden_size
+        if body.dimensions is not None and body.dimensions > hidden_size:
+            raise OpenAIError(
+                f"dimensions must be at most the model's hidden size {hidden_size}, got "
+                f"{body.dimensions}", param="dimensions",
+            )  # fmt: skip
+        try:
+            params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="dimensions") from None
+        prompts = self._prompts(body)
+        request_id = random_id(self.id_prefix)
+        self.log_request(request_id, prompts, params)
+        gens = self.generators(prompts, params, request_id, False, lora, body.priority)
+        try:
+            finals = await unless_disconnected(raw, self.final_outputs(gens))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:  # the client left: its requests were aborted
+            return JSONResponse({}, status_code=499)
+        try:
+            return self._response(body, request_id, finals, pooling)
+        except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
+            raise request_failed(request_id, e) from e
+
+    def _prompts(self, body: EmbeddingRequest) -> list[dict]:
+        inputs = body.input
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not inputs:
+            raise OpenAIError("input must not be empty", param="input")
+        if len(inputs) > self.limits.max_prompts:
+            raise OpenAIError(
+                f"the request has {len(inputs)} inputs; this server allows at most "
+                f"{self.limits.max_prompts} (--max-prompts)",
+                param="input",
+            )
+        vocab = self.engine.model_config.vocab_size
+        prompts = []
+        for item in inputs:
+            if isinstance(item, str):
+                if self.tokenizer is None:
+                    raise OpenAIError("this model has no tokenizer: send token ids", param="input")
+                ids = self.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
+            else:
+                ids = list(item)
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise OpenAIError(
+                        f"token id {bad[0]} is out of range for a vocabulary of {vocab}",
+                        param="input",
+                    )
+            ids = self._truncate(ids, body.truncate_prompt_tokens)
+            if not ids:
+                raise OpenAIError("an input is empty: give at least one token", param="input")
+            if len(ids) > self.max_model_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, an input has {len(ids)} tokens. Please reduce the length of the "
+                    "input, or set truncate_prompt_tokens.",
+                    param="input",
+                )
+            prompts.append({"prompt": item if isinstance(item, str) else None,
+                            "prompt_token_ids": ids})  # fmt: skip
+        return prompts
+
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if keep else []
+
+    def _response(self, body, request_id: str, finals, pooling: bool) -> EmbeddingResponse:
+        data, num_tokens = [], 0
+        for index, final in enumerate(finals):
+            vector = final.outputs.data
+            if body.encoding_format == "base64":
+                raw = np.ascontiguousarray(vector.numpy(), dtype="<f4").tobytes()
+                value = base64.b64encode(raw).decode()
+            else:
+                value = vector.tolist()
+            if pooling:
+                data.append(PoolingData(index=index, data=value))
+            else:
+                data.append(EmbeddingData(index=index, embedding=value))
+            num_tokens += len(final.prompt_token_ids)
+        usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        model = self.model_name(body)
+        return EmbeddingResponse(id=request_id, model=model, data=data, usage=usage)
