@@ -8,6 +8,7 @@ refuses generation, each saying how to start the other."""
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -121,3 +122,18 @@ def test_each_runner_refuses_the_other_kind(served):
     # Nothing left behind by this file's requests, refused or not
     assert not engine.has_unfinished_requests()
     assert engine.get_stats()["kv_cache_usage"] == 0
+
+
+def test_disconnect_aborts_and_frees_blocks(served, caplog):
+    _, url, _, _, engine = served
+    inputs = [[(11 * i + j) % 900 + 100 for i in range(60)] for j in range(128)]
+    with caplog.at_level("INFO", logger="pagedllm"):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
+            httpx.post(f"{url}/v1/embeddings", json={"input": inputs}, timeout=0.02)
+        deadline = time.time() + 30
+        while "request aborted" not in caplog.text:
+            assert time.time() < deadline
+            time.sleep(0.02)
+    while engine.has_unfinished_requests() or engine.get_stats()["kv_cache_usage"]:
+        assert time.time() < deadline, engine.get_stats()
+        time.sleep(0.02)
