@@ -37,11 +37,14 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_messages import add_messages_routes
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.tools import offered_tools
 from pagedllm.version import __version__
 
@@ -155,6 +158,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     loras = _lora_registry(async_engine, config)
     completions = OpenAIServingCompletion(async_engine, config, metrics, loras)
     chat = OpenAIServingChat(async_engine, config, metrics, loras)
+    responses = OpenAIServingResponses(async_engine, config, metrics, loras)
     embeddings = OpenAIServingEmbedding(async_engine, config, metrics, loras)
     app.state.async_engine = async_engine
 
@@ -199,7 +203,12 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         async def check_api_key(request: Request, call_next):
             path = request.url.path
             if request.method != "OPTIONS" and path not in open_paths:
-                if not authorized(path, request.headers.get("authorization", "")):
+                # Anthropic's clients send the key as x-api-key instead.
+                x_api_key = hashlib.sha256(request.headers.get("x-api-key", "").encode()).digest()
+                if not (
+                    authorized(path, request.headers.get("authorization", ""))
+                    or hmac.compare_digest(x_api_key, expected_password)
+                ):
                     body = error_body("invalid or missing API key", 401)
                     headers = None  # on the dashboard, the browser asks for the key
                     if path in dashboard.DASHBOARD_PATHS:
@@ -210,6 +219,8 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     if config.limits.max_request_body_bytes is not None:
         # Added last, so outermost: nothing behind it ever reads an unbounded body.
         app.add_middleware(BodySizeLimit, limit=config.limits.max_request_body_bytes)
+    # Anthropic's Messages API over chat; its error rewriting wraps every middleware above.
+    add_messages_routes(app, chat)
 
     @app.get("/health")
     async def health():
@@ -222,7 +233,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def metrics():
+    async def prometheus_metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -253,6 +264,15 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/pooling")
     async def create_pooling(body: PoolingRequest, request: Request):
         return await embeddings.create(body, request, pooling=True)
+
+    # OpenAI's Responses API, translated onto chat (its stored responses live in `responses`)
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create_response(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

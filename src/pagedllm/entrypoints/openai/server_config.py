@@ -63,6 +63,9 @@ class ServerConfig:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM gates them likewise)
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    # /v1/responses: how many stored responses (store: true) stay in memory for GET and
+    # previous_response_id, the least recently used dropped first; 0: none kept
+    max_stored_responses: int = 1000
 
     def named(self, default: str) -> ServerConfig:
         """This config with its served_model_name filled in (`default`: the engine's name)."""
