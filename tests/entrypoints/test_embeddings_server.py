@@ -137,3 +137,27 @@ def test_disconnect_aborts_and_frees_blocks(served, caplog):
     while engine.has_unfinished_requests() or engine.get_stats()["kv_cache_usage"]:
         assert time.time() < deadline, engine.get_stats()
         time.sleep(0.02)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("pagedllm:") and "{" in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_count_embedding_requests(served):
+    client, url, _, _, _ = served
+    before = _metrics(url)
+    out = client.embeddings.create(model="m", input=TEXTS)
+
+    def grew(prefix: str) -> float:
+        after = _metrics(url)
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+
+    assert grew("pagedllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert grew("pagedllm:request_success_total") == len(TEXTS)
+    assert grew("pagedllm:generation_tokens_total") == 0
+    assert grew("pagedllm:e2e_request_latency_seconds_count") == len(TEXTS)
