@@ -444,7 +444,19 @@ _BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+    "/v1/messages": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    },
+    "/v1/messages/count_tokens": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"input": "hi"},
+    "/pooling": {"input": "hi"},
 }
+# Routes whose answer past the key check is not a 200 on this (generating) server: the status
+# that shows the key was taken.
+_PAST_THE_KEY = {"/v1/embeddings": 400, "/pooling": 400, "/v1/responses/{response_id}": 404}
 
 
 @pytest.mark.parametrize("metrics_open", [False, True])
@@ -471,14 +483,19 @@ def test_api_key_guards_every_route_but_health(server, metrics_open):
                     response = http.request(method, path, json=body, headers=headers)
                     if path in open_paths:
                         assert response.status_code == 200, (method, path)
+                    elif path.startswith("/v1/messages"):  # Anthropic's error shape there
+                        assert response.status_code == 401, (method, path)
+                        assert response.json()["error"]["type"] == "authentication_error"
                     else:
                         _error(response, 401, "API key")
                     checked += 1
-                right = {"Authorization": f"Bearer {key}"}
-                response = http.request(method, path, json=body, headers=right)
-                assert response.status_code == 200, (method, path, response.text)
-                checked += 1
-        assert checked == 4 * len(routes) and len(routes) >= 10
+                # The key as a Bearer token, or as Anthropic's clients send it
+                for right in ({"Authorization": f"Bearer {key}"}, {"x-api-key": key}):
+                    response = http.request(method, path, json=body, headers=right)
+                    expected = _PAST_THE_KEY.get(path, 200)
+                    assert response.status_code == expected, (method, path, response.text)
+                    checked += 1
+        assert checked == 5 * len(routes) and len(routes) >= 16
     finally:
         keyed.stop_app()
 
