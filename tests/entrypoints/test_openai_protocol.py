@@ -19,9 +19,9 @@ from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import stats_line
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
-from pagedllm.entrypoints.openai.serving import merge
 from pagedllm.entrypoints.openai.serving_chat import chat_logprobs
 from pagedllm.entrypoints.openai.serving_completion import completion_logprobs
+from pagedllm.entrypoints.openai.streaming import merge
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 

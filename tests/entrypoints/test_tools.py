@@ -6,8 +6,8 @@ import json
 import jsonschema
 import pytest
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers import JsonToolParser
 from pagedllm.entrypoints.openai.tools import ToolCallStream, plan_tools, template_messages
 from pagedllm.model_loader.chat_template import render_chat_template

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_reason
 from pagedllm.entrypoints.openai.lora import LoRARegistry, add_lora_routes
 from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
 from pagedllm.entrypoints.openai.protocol import (
@@ -39,7 +40,6 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
-from pagedllm.entrypoints.openai.serving import OpenAIError, error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -73,9 +73,10 @@ class BodySizeLimit:
     before anything is read, or as soon as the bytes received pass the limit (a chunked body),
     so at most `limit` bytes are ever held. The app then reads the buffered body."""
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, on_refused=None) -> None:
         self.app = app
         self.limit = limit
+        self.on_refused = on_refused  # told of each refusal (the error metrics)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -108,6 +109,8 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send, size: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
         message = (
             f"the request body ({size} bytes) is larger than this server accepts: "
             f"{self.limit} bytes (--max-request-body-bytes)"
@@ -164,21 +167,25 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
+        metrics.count_error(exc.reason)
         # 503 is "overloaded or stopping": tell clients when to try again.
         headers = {"Retry-After": "1"} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
+        metrics.count_error("bad_request")
         message, param = _validation_message(exc)
         return JSONResponse(error_body(message, 400, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
+        metrics.count_error(error_reason(exc.status_code))
         return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception):
+        metrics.count_error("internal")
         logger.exception("request failed", exc_info=exc)
         return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
 
@@ -209,6 +216,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     authorized(path, request.headers.get("authorization", ""))
                     or hmac.compare_digest(x_api_key, expected_password)
                 ):
+                    metrics.count_error("unauthorized")
                     body = error_body("invalid or missing API key", 401)
                     headers = None  # on the dashboard, the browser asks for the key
                     if path in dashboard.DASHBOARD_PATHS:
@@ -218,7 +226,10 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     if config.limits.max_request_body_bytes is not None:
         # Added last, so outermost: nothing behind it ever reads an unbounded body.
-        app.add_middleware(BodySizeLimit, limit=config.limits.max_request_body_bytes)
+        app.add_middleware(
+            BodySizeLimit, limit=config.limits.max_request_body_bytes,
+            on_refused=lambda: metrics.count_error("too_large"),
+        )  # fmt: skip
     # Anthropic's Messages API over chat; its error rewriting wraps every middleware above.
     add_messages_routes(app, chat)
 

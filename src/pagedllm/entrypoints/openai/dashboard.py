@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.entrypoints.openai.serving import error_body
+from pagedllm.entrypoints.openai.errors import error_body
 
 DASHBOARD_PATHS = ("/dashboard", "/debug/kv")
 SNAPSHOT_INTERVAL = 0.2  # seconds: at most 5 snapshots a second, however many pages are open

@@ -19,8 +19,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ModelCard
-from pagedllm.entrypoints.openai.serving import OpenAIError
 from pagedllm.lora_request import LoRARequest
 
 

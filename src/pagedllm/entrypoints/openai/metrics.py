@@ -135,7 +135,19 @@ class RequestMetrics:
             ["model_name", "finished_reason"],
             registry=registry,
         )
+        self.errors = Counter(
+            "pagedllm:request_errors",
+            "Requests answered with an error or cut short, by reason: rejected before they ran "
+            "(bad_request, unauthorized, not_found, too_large, overloaded: the waiting queue is "
+            "full, unavailable: the engine stopped), failed (internal, stream_error: after "
+            "the stream began) or left by their client (client_disconnected).",
+            ["model_name", "reason"],
+            registry=registry,
+        )
         self.model_name = model_name
+
+    def count_error(self, reason: str) -> None:
+        self.errors.labels(self.model_name, reason).inc()
 
     async def observe(
         self, gen: AsyncIterator[RequestOutput], delta: bool

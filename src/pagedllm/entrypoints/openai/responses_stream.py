@@ -10,6 +10,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 
+from pagedllm.entrypoints.openai.errors import stream_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionChunk, ChatStreamChoice
 from pagedllm.entrypoints.openai.responses_protocol import (
     FunctionCallItem,
@@ -21,7 +22,6 @@ from pagedllm.entrypoints.openai.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from pagedllm.entrypoints.openai.serving import stream_error
 
 
 class ResponseEventStream:

@@ -1,61 +1,40 @@
-"""What completions and chat share: one request's skeleton (`OpenAIServing.create`, with hooks
-for what differs), errors, prompt checks, merged streams, disconnects."""
+"""What the endpoints share: one request's skeleton (`OpenAIServing.create`, with hooks for what
+differs), the model, health, queue, limit and prompt checks, the engine's generators. Errors are
+errors.py's; merged streams and disconnects streaming.py's."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from starlette.responses import StreamingResponse
 
-from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai.errors import OpenAIError, engine_error, request_failed
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.streaming import (
+    DisconnectAwareStream,
+    events,
+    merge,
+    unless_disconnected,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    413: "RequestTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 # Request fields that constrain the output (not SamplingParams fields), named in 400s.
 _STRUCTURED_FIELDS = {
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
 }  # fmt: skip
 EVENT_STREAM = "text/event-stream"
 MAX_LOGPROB = -9999.0  # JSON has no -inf: clamp as vLLM does
-
-
-class OpenAIError(Exception):
-    """Answered as OpenAI's {"error": {...}} with this status."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-    def body(self) -> dict:
-        return error_body(self.message, self.status, self.param)
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = _ERROR_TYPES.get(status, "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class OpenAIServing:
@@ -107,16 +86,19 @@ class OpenAIServing:
             # Waiting for the first output (queued, or a long prefill) watches for a disconnect too.
             stream = await unless_disconnected(raw, self.first_and_rest(gens))
             if stream is None:
-                return JSONResponse({}, status_code=499)
+                return self.client_left()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self.stream_chunks(body, request_id, prompts, plan, stream, include_usage)
-            return DisconnectAwareStream(self.frame(chunks, request_id), media_type=EVENT_STREAM)
+            return DisconnectAwareStream(
+                self.frame(self._counted(chunks), request_id), media_type=EVENT_STREAM,
+                on_disconnect=lambda: self.count_error("client_disconnected"),
+            )  # fmt: skip
         try:
             finals = await unless_disconnected(raw, self.final_outputs(gens))
         except Exception as e:
             raise engine_error(e) from None
         if finals is None:  # the client left; nobody reads this
-            return JSONResponse({}, status_code=499)
+            return self.client_left()
         try:
             return self.response(body, request_id, prompts, plan, finals)
         except Exception as e:  # noqa: BLE001 - formatting this request's answer failed
@@ -155,6 +137,25 @@ class OpenAIServing:
         return events(chunks, request_id)
 
     # -- the steps ------------------------------------------------------------------------------
+    def count_error(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count_error(reason)
+
+    def client_left(self) -> JSONResponse:
+        """The answer nobody reads (its requests aborted), counted."""
+        self.count_error("client_disconnected")
+        return JSONResponse({}, status_code=499)
+
+    async def _counted(self, chunks: AsyncIterator) -> AsyncIterator:
+        """The stream's chunks; a failure after the status was sent counted before framing."""
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except Exception:
+                self.count_error("stream_error")
+                raise
+
     def check_model(self, model: str | None):
         """The LoRA adapter `model` names (None: the base model); a 404 for an unknown name."""
         if self.loras is not None:
@@ -207,6 +208,7 @@ class OpenAIServing:
                 f"the server is overloaded: {waiting} requests are waiting (at most {limit}, "
                 f"this request adds {num_new}); retry later",
                 503,
+                reason="overloaded",
             )
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
@@ -325,126 +327,3 @@ class OpenAIServing:
                 await stream.aclose()
 
         return rest()
-
-
-def engine_error(e: BaseException) -> BaseException:
-    """An engine exception as the OpenAIError it deserves (others pass through)."""
-    if isinstance(e, ValueError):
-        return OpenAIError(str(e))
-    if isinstance(e, EngineDeadError):
-        return OpenAIError(str(e), 503)
-    if isinstance(e, RequestFailedError):  # the message names the request
-        return OpenAIError(str(e), 500)
-    return e
-
-
-async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async generators as they come, tagged with the generator's index.
-    Closing the merged stream cancels the pumps, which closes (aborts) every generator."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, gen: AsyncIterator[T]) -> None:
-        try:
-            async for item in gen:
-                await queue.put((i, item))
-            await queue.put((i, done))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e))
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run `work`; if the client goes away first, cancel it (aborting its requests) -> None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
-    if task.cancelled():
-        logger.info("client disconnected: request aborted")
-        return None
-    return task.result()
-
-
-class DisconnectAwareStream(StreamingResponse):
-    """A streaming response that stops (and closes its iterator, aborting the request) as soon
-    as the client disconnects, not at the next chunk it fails to send."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        streaming = asyncio.create_task(super().__call__(scope, receive, send))
-        watcher = asyncio.create_task(listen())
-        try:
-            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not streaming.done():
-                logger.info("client disconnected mid-stream: request aborted")
-        finally:
-            for task in (streaming, watcher):
-                task.cancel()
-            await asyncio.gather(streaming, watcher, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-async def events(chunks: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
-    """A stream's JSON chunks as server-sent events, then [DONE]; a failure after the status
-    was sent ends it with an in-band error event."""
-    async with contextlib.aclosing(chunks):
-        try:
-            async for chunk in chunks:
-                yield sse(chunk)
-        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band
-            yield sse(stream_error(e, request_id))
-    yield sse("[DONE]")
-
-
-def request_failed(request_id: str, e: BaseException) -> OpenAIError:
-    """A failure while answering one request (not bad input): a 500 that names it."""
-    if isinstance(e, OpenAIError):
-        return e
-    logger.error("request %s failed: %r", request_id, e, exc_info=e)
-    return OpenAIError(f"request {request_id} failed: {e!r}", 500)
-
-
-def stream_error(e: BaseException, request_id: str) -> str:
-    """An error after a stream started (its status already sent), as an in-band event."""
-    error = engine_error(e)
-    if not isinstance(error, OpenAIError):
-        error = request_failed(request_id, e)
-    return json.dumps(error.body())

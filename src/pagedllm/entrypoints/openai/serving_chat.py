@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionChoice,
@@ -18,7 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
-from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIServing
 from pagedllm.entrypoints.openai.tools import (
     ToolCallStream,
     ToolPlan,

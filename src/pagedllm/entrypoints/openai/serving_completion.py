@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -11,7 +12,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving import MAX_LOGPROB, OpenAIServing
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -9,7 +9,6 @@ import base64
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from pagedllm.entrypoints.openai.embedding_protocol import (
     EmbeddingData,
@@ -18,14 +17,10 @@ from pagedllm.entrypoints.openai.embedding_protocol import (
     EmbeddingUsage,
     PoolingData,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError, engine_error, request_failed
 from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.serving import (
-    OpenAIError,
-    OpenAIServing,
-    engine_error,
-    request_failed,
-    unless_disconnected,
-)
+from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.entrypoints.openai.streaming import unless_disconnected
 from pagedllm.pooling_params import PoolingParams
 
 
@@ -60,7 +55,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         except Exception as e:
             raise engine_error(e) from None
         if finals is None:  # the client left: its requests were aborted
-            return JSONResponse({}, status_code=499)
+            return self.client_left()
         try:
             return self._response(body, request_id, finals, pooling)
         except Exception as e:  # noqa: BLE001 - formatting this request's answer failed

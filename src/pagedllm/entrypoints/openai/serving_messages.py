@@ -24,8 +24,8 @@ from pagedllm.entrypoints.openai.anthropic_protocol import (
     Usage,
     error_body,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError, engine_error, request_failed
 from pagedllm.entrypoints.openai.protocol import ChatCompletionChunk, ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving import OpenAIError, engine_error, request_failed
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.tools import offered_tools
 from pagedllm.outputs import RequestOutput

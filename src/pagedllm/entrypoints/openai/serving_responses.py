@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.responses_protocol import (
     SUPPORTED_INCLUDES,
@@ -32,7 +33,6 @@ from pagedllm.entrypoints.openai.responses_protocol import (
     TextConfig,
 )
 from pagedllm.entrypoints.openai.responses_stream import ResponseEventStream, named_events
-from pagedllm.entrypoints.openai.serving import OpenAIError
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

@@ -16,6 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -23,7 +24,6 @@ from pagedllm.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
-from pagedllm.entrypoints.openai.serving import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
     ParsedToolCall,
