@@ -16,6 +16,7 @@ over the whole vocabulary first).
 from __future__ import annotations
 
 import json
+import threading
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -71,9 +72,14 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # grammars compile on the server's compile threads
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            return self._build_ll_tokenizer()
+
+    def _build_ll_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
             backend = self._tokenizer.backend
             # The model may pad its vocabulary past the tokenizer's: those ids are never allowed.
@@ -84,7 +90,8 @@ class StructuredOutputManager:
         return self._ll_tokenizer
 
     def grammar(self, params: StructuredOutputsParams) -> Grammar:
-        """A matcher at the start of the constraint; ValueError for one that does not compile."""
+        """A matcher at the start of the constraint; ValueError for one that does not compile.
+        Safe from any thread (llguidance releases the GIL while it compiles)."""
         matcher = llguidance.LLMatcher(self.ll_tokenizer, _grammar_text(params), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {params.kind} for structured outputs: {matcher.get_error()}")

@@ -123,7 +123,7 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
         for request_id, prompt in (("bad", list(range(3, 40))), ("good", PROMPTS[0])):
             aengine._streams[request_id] = _Stream(closed, asyncio.Queue())
             aengine._commands.put(
-                ("add", request_id, prompt, GREEDY, time.time(), False, None, None, 0)
+                ("add", request_id, prompt, GREEDY, time.time(), False, None, None, 0, None)
             )
         outputs = asyncio.run(collect(aengine, PROMPTS[1], "after"))
         assert outputs[-1].finished and aengine.dead_error is None

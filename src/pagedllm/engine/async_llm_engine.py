@@ -54,9 +54,25 @@ class _Stream:
         return True
 
 
+# Structured-output constraints compile on their own threads, off the engine loop (a large
+# schema would otherwise stall every request's steps), each within this many seconds: past it
+# the request is refused as bad input. llguidance's own resource limits bound the work behind.
+GRAMMAR_COMPILE_TIMEOUT = 10.0
+GRAMMAR_COMPILE_THREADS = 2
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        start_thread: bool = True,
+        grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT,
+    ) -> None:
         self.engine = engine
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            GRAMMAR_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar"
+        )
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self.dead_error: BaseException | None = None
@@ -100,6 +116,9 @@ class AsyncLLMEngine:
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            grammar = await self._compile_grammar(params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         # The loop may have died (or been stopped) between the check above and registering the
@@ -119,6 +138,7 @@ class AsyncLLMEngine:
                 cache_salt,
                 lora_request,
                 priority,
+                grammar,
             )  # fmt: skip
         )
         finished = False
@@ -136,6 +156,21 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _compile_grammar(self, structured_outputs):
+        """The constraint compiled on a compile thread; ValueError (bad input) if it does not
+        compile, or not within grammar_compile_timeout (queueing for a thread included)."""
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(
+            self._grammar_pool, self.engine.compile_grammar, structured_outputs
+        )
+        try:
+            return await asyncio.wait_for(work, self.grammar_compile_timeout)
+        except TimeoutError:
+            raise ValueError(
+                f"the structured-output constraint did not compile within "
+                f"{self.grammar_compile_timeout:g} s: simplify the schema or grammar"
+            ) from None
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -155,6 +190,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(("stop",))
         self._loop_done.wait(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop (its own thread) -------------------------------------------------------------
     def run_loop(self) -> None:
@@ -232,13 +268,15 @@ class AsyncLLMEngine:
                     except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
                         future.set_exception(e)
                 continue
-            _, request_id, prompt, params, arrival, delta, cache_salt, lora, priority = command
+            _, request_id, prompt, params, arrival, delta, cache_salt, lora, priority, grammar = (
+                command
+            )
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # its client left before the request was added
             try:
                 engine.add_request(
-                    request_id, prompt, params, arrival, delta, cache_salt, lora, priority
+                    request_id, prompt, params, arrival, delta, cache_salt, lora, priority, grammar
                 )
             except ValueError as e:
                 stream.put(e)

@@ -5,6 +5,7 @@ the resolved output budget, and the structured-output grammar."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
@@ -12,8 +13,8 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.lora_adapter import load_lora_adapter
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import Grammar, StructuredOutputManager
 
 # A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = str | list[int] | dict
@@ -32,6 +33,7 @@ class InputProcessor:
             if tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(tokenizer.eos_token_id)
         self._structured_output_manager: StructuredOutputManager | None = None  # on first use
+        self._manager_lock = threading.Lock()  # compile_grammar runs off the engine's thread
         self._checked_loras: dict[int, str] = {}  # adapter id -> its path, once read and checked
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -54,9 +56,11 @@ class InputProcessor:
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        grammar: Grammar | None = None,
     ) -> Request:
         """The request's first sequence (its group is `request.group`); ValueError if it is
-        one the engine must refuse."""
+        one the engine must refuse. `grammar`: its structured-output constraint compiled
+        already (compile_grammar, off the engine's thread); else it is compiled here."""
         config = self.config
         pooling = isinstance(params, PoolingParams)
         runner = config.model.runner
@@ -110,8 +114,14 @@ class InputProcessor:
             priority=priority,
         )
         if params.structured_outputs is not None:
-            request.grammar = self._structured_outputs().grammar(params.structured_outputs)
+            if grammar is None:
+                grammar = self.compile_grammar(params.structured_outputs)
+            request.grammar = grammar
         return request
+
+    def compile_grammar(self, structured_outputs: StructuredOutputsParams) -> Grammar:
+        """The constraint compiled against this model's tokenizer (any thread)."""
+        return self._structured_outputs().grammar(structured_outputs)
 
     def _pooling_request(
         self, request_id, prompt, params: PoolingParams, arrival_time, cache_salt, lora_request,
@@ -160,11 +170,12 @@ class InputProcessor:
     def _structured_outputs(self) -> StructuredOutputManager:
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer, and it has none")
-        if self._structured_output_manager is None:
-            self._structured_output_manager = StructuredOutputManager(
-                self.tokenizer, self.config.model.arch.vocab_size, self.eos_token_ids
-            )
-        return self._structured_output_manager
+        with self._manager_lock:
+            if self._structured_output_manager is None:
+                self._structured_output_manager = StructuredOutputManager(
+                    self.tokenizer, self.config.model.arch.vocab_size, self.eos_token_ids
+                )
+            return self._structured_output_manager
 
     def _validate_prompt(self, token_ids: list[int], room_for_output: bool = True) -> None:
         max_model_len = self.config.scheduler.max_model_len

@@ -25,7 +25,8 @@ from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import Grammar
 from pagedllm.worker.lora_manager import LoRALoadError
 
 logger = logging.getLogger("pagedllm")
@@ -176,22 +177,30 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        grammar: Grammar | None = None,
     ) -> str:
         """Queue a request; `delta=True` makes each output carry only the new text and tokens.
         Requests share prefix-cached blocks only with requests of the same `cache_salt` and
         LoRA adapter (`lora_request`, with --enable-lora). `priority`: with --scheduling-policy
         priority, lower values run first. PoolingParams (with --runner pooling): an embedding
-        request, whose one output is a PoolingRequestOutput."""
+        request, whose one output is a PoolingRequestOutput. `grammar`: the structured-output
+        constraint compiled already (compile_grammar), else it is compiled here."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.input_processor.process(
-            request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
+            request_id, prompt, params, arrival_time, cache_salt, lora_request, priority, grammar
         )
         self.output_processor.add_request(request.group, delta)
         self.scheduler.add_request(request)
         return request_id
+
+    def compile_grammar(self, structured_outputs: StructuredOutputsParams) -> Grammar:
+        """A structured-output constraint compiled for this model, from any thread (the
+        async engine compiles off its loop, so a large schema stalls no step); ValueError for
+        one that does not compile."""
+        return self.input_processor.compile_grammar(structured_outputs)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """ValueError unless the adapter can run here (read and checked once per id): what a
