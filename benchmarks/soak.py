@@ -45,11 +45,13 @@ def serve_in_thread(async_engine, served_model_name: str, **options) -> Iterator
     import uvicorn
 
     from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.connections import uvicorn_config
     from pagedllm.entrypoints.openai.server_config import ServerConfig
 
-    app = build_app(async_engine, ServerConfig(served_model_name, **options))
+    server_config = ServerConfig(served_model_name, **options)
+    app = build_app(async_engine, server_config)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn_config(app, server_config, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="pagedllm-http", daemon=True)
     thread.start()

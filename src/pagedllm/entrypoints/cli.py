@@ -180,7 +180,11 @@ def _chat_template_arg(value: str | None) -> str | None:
 
 def server_config_from(ns: argparse.Namespace):
     """`serve`'s own flags as a ServerConfig, checked before the model loads."""
-    from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
+    from pagedllm.entrypoints.openai.server_config import (
+        ConnectionLimits,
+        ServerConfig,
+        ServerLimits,
+    )
 
     chat_template = _chat_template_arg(ns.chat_template)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
@@ -203,6 +207,12 @@ def server_config_from(ns: argparse.Namespace):
         max_waiting_requests=ns.max_waiting_requests or None,
         graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
         limits=limits,
+        connections=ConnectionLimits(
+            ns.limit_concurrency,
+            ns.timeout_keep_alive,
+            ns.timeout_request_header or None,
+            ns.timeout_request_body or None,
+        ),  # fmt: skip
         log_requests=ns.enable_log_requests,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser,
@@ -350,6 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="most prompts in one /v1/completions request (default: 128)",
     )
+    conns = serve.add_argument_group("connections (slow or idle clients are cut off)")
+    conns.add_argument("--limit-concurrency", type=int, default=None,
+                       help="connections + requests at once, past it a 503")  # fmt: skip
+    conns.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection lives (default: 5)")  # fmt: skip
+    conns.add_argument("--timeout-request-header", type=float, default=10.0,
+                       help="seconds a request's headers may take to arrive, whatever trickles "
+                            "in; 0: no limit (default: 10)")  # fmt: skip
+    conns.add_argument("--timeout-request-body", type=float, default=60.0,
+                       help="seconds its body may take after them, or a 408; 0: no limit "
+                            "(default: 60)")  # fmt: skip
     serve.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,

@@ -23,7 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai import dashboard
+from pagedllm.entrypoints.openai import connections, dashboard
+from pagedllm.entrypoints.openai.connections import BodyLimits
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_reason
 from pagedllm.entrypoints.openai.lora import LoRARegistry, add_lora_routes
@@ -68,58 +69,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body over `limit` bytes gets a 413, from its Content-Length
-    before anything is read, or as soon as the bytes received pass the limit (a chunked body),
-    so at most `limit` bytes are ever held. The app then reads the buffered body."""
-
-    def __init__(self, app, limit: int, on_refused=None) -> None:
-        self.app = app
-        self.limit = limit
-        self.on_refused = on_refused  # told of each refusal (the error metrics)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await self._refuse(send, length.decode(errors="replace"))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before its body arrived: nobody to answer
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                return await self._refuse(send, f"more than {size}")
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # then what follows the body: a disconnect
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send, size: str) -> None:
-        if self.on_refused is not None:
-            self.on_refused()
-        message = (
-            f"the request body ({size} bytes) is larger than this server accepts: "
-            f"{self.limit} bytes (--max-request-body-bytes)"
-        )
-        await JSONResponse(error_body(message, 413), status_code=413)(
-            {"type": "http"}, _no_body, send
-        )
-
-
 def _basic_auth_password(authorization: str) -> bytes:
     """The password of an HTTP Basic `Authorization` header; b"" if it is not one."""
     scheme, _, value = authorization.partition(" ")
@@ -129,10 +78,6 @@ def _basic_auth_password(authorization: str) -> bytes:
         return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
     except (binascii.Error, ValueError):
         return b""
-
-
-async def _no_body():
-    return {"type": "http.disconnect"}
 
 
 def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
@@ -224,12 +169,12 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     return JSONResponse(body, status_code=401, headers=headers)
             return await call_next(request)
 
-    if config.limits.max_request_body_bytes is not None:
-        # Added last, so outermost: nothing behind it ever reads an unbounded body.
+    max_body, body_timeout = config.limits.max_request_body_bytes, config.connections.body_timeout
+    if max_body is not None or body_timeout is not None:
+        # Added last, so outermost: nothing behind it ever reads an unbounded or endless body.
         app.add_middleware(
-            BodySizeLimit, limit=config.limits.max_request_body_bytes,
-            on_refused=lambda: metrics.count_error("too_large"),
-        )  # fmt: skip
+            BodyLimits, max_bytes=max_body, timeout=body_timeout, on_refused=metrics.count_error
+        )
     # Anthropic's Messages API over chat; its error rewriting wraps every middleware above.
     add_messages_routes(app, chat)
 
@@ -393,8 +338,8 @@ def run_server(
     host, port, grace = config.host, config.port, config.graceful_shutdown_timeout
     app = build_app(async_engine, config)
     # uvicorn cancels what still runs 5 s after the engine stopped (a backstop).
-    uvicorn_config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace + 5
+    uvicorn_config = connections.uvicorn_config(
+        app, config, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace + 5
     )
     server = _Server(uvicorn_config, async_engine, grace, started)
     logger.info("serving %s at http://%s:%d/v1", config.served_model_name, host, port)

@@ -36,6 +36,27 @@ class ServerLimits:
 
 
 @dataclass
+class ConnectionLimits:
+    """What one connection may hold (each a `serve` flag; connections.py applies them)."""
+
+    limit_concurrency: int | None = None  # connections + requests at once; past it uvicorn's 503
+    timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
+    header_timeout: float | None = 10.0  # a request's headers must all arrive within this
+    body_timeout: float | None = 60.0  # and its body within this, after the headers
+
+    def __post_init__(self) -> None:
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"--limit-concurrency must be >= 1, got {self.limit_concurrency}")
+        flags = {"timeout_keep_alive": "--timeout-keep-alive",
+                 "header_timeout": "--timeout-request-header",
+                 "body_timeout": "--timeout-request-body"}  # fmt: skip
+        for name, flag in flags.items():
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+@dataclass
 class ServerConfig:
     """Everything the HTTP server takes besides the engine."""
 
@@ -52,6 +73,7 @@ class ServerConfig:
     # On Ctrl-C / SIGTERM, seconds running requests get to finish before the engine stops
     graceful_shutdown_timeout: float = 5.0
     limits: ServerLimits = field(default_factory=ServerLimits)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     log_requests: bool = False  # log each request's prompts and parameters (off: never)
     # tool_choice "auto" allowed, its calls read by the tool_call_parser (hermes or json)
     enable_auto_tool_choice: bool = False
