@@ -24,7 +24,7 @@ def _processed(layer):
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 130, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -45,6 +45,17 @@ def test_packed_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(
         layer(x3).float(), F.linear(x3, weight, b).float(), atol=0.05, rtol=0.02
     )
+
+
+def test_packed_gemms_run_at_few_row_counts():
+    """The row counts a packed GEMM runs at: exact up to 16, never fewer rows than given, at
+    most 1/8 more, and 72 shapes for every step of up to 2048 rows (oneDNN keeps a primitive
+    per shape)."""
+    padded = [unquantized.padded_rows(r) for r in range(1, 4097)]
+    assert padded[:16] == list(range(1, 17))
+    assert all(r <= p <= r * 9 / 8 for r, p in zip(range(1, 4097), padded, strict=True))
+    assert len(set(padded[:2048])) == 72
+    assert padded == sorted(padded)
 
 
 @needs_onednn

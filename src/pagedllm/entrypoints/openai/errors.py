@@ -15,6 +15,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",

@@ -41,7 +41,22 @@ def float_linear(
             dense = kernels.cpu_ops().dense_linear
             return kernels.in_float32(lambda x32: dense(x32.contiguous(), weight, bias), x)
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    rows = x.shape[0]
+    bucket = padded_rows(rows)
+    if bucket != rows:
+        x = F.pad(x, (0, 0, 0, bucket - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return out if bucket == rows else out[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed GEMM runs at (the input padded with zero rows): exact up to 16,
+    then one of 8 counts per doubling, at most 1/8 more rows. oneDNN caches a primitive (its
+    JIT-compiled kernels) per shape it has seen: with every row count a step can have, that
+    cache grew the process by hundreds of MiB under load (docs/reliability.md); 72 shapes cover
+    steps of up to 2048 rows."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def float_bytes_read(layer: nn.Module, weight: torch.Tensor | None) -> int:
