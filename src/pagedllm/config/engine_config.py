@@ -126,7 +126,8 @@ class EngineConfig:
             )
         kv_cache_memory = parse_bytes(args.kv_cache_memory)
         if kv_cache_memory is None and arch.is_encoder:
-            # Blocks only bound a step's tokens (the encoder reads none back): one step's worth
+            # Blocks only bound a step's tokens (the encoder reads none back): one step's
+            # worth, at float32's 4 bytes a value (no dtype takes more)
             per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
             kv_cache_memory = (budget + args.max_num_seqs * args.block_size) * per_token
         if kv_cache_memory is None and device == "cpu":

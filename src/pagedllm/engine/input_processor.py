@@ -70,31 +70,28 @@ class InputProcessor:
                 "not generation" if runner == "pooling" else
                 "embeddings need the pooling runner: start the engine with --runner pooling"
             )  # fmt: skip
-        if pooling:
-            return self._pooling_request(
-                request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
-            )
-        max_num_seqs = config.scheduler.max_num_seqs
-        if params.num_sequences > max_num_seqs:
-            raise ValueError(
-                f"the request runs {params.num_sequences} sequences (n, best_of or beam width), "
-                f"more than max_num_seqs ({max_num_seqs}): lower it or raise --max-num-seqs"
-            )
-        allocation = config.cache.kv_allocation
-        if params.num_sequences > 1 and allocation != "paged":
-            raise ValueError(
-                f"--kv-allocation {allocation} runs one sequence per request: "
-                "n, best_of and beam search need paged KV blocks"
-            )
         if priority != 0 and config.scheduler.policy != "priority":
             raise ValueError(
                 f"priority {priority} needs --scheduling-policy priority (the policy is "
                 f"{config.scheduler.policy})"
             )
+        if pooling:
+            self._check_pooling(params)
+        else:
+            self._check_sequences(params.num_sequences)
         if lora_request is not None:
             self.check_lora(lora_request)
         text, token_ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids)
+        self._validate_prompt(token_ids, room_for_output=not pooling)
+        if pooling:  # prefill-only: its placeholder SamplingParams are never read for sampling
+            request = Request(
+                request_id, token_ids, SamplingParams(max_tokens=1), self.eos_token_ids, 1, text,
+                arrival_time, cache_salt=cache_salt, lora_request=lora_request, priority=priority,
+            )  # fmt: skip
+            request.pooling_params = dataclasses.replace(
+                params, pooling_type=config.model.pooling_type
+            )
+            return request
         vocab = config.model.arch.vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
@@ -123,32 +120,28 @@ class InputProcessor:
         """The constraint compiled against this model's tokenizer (any thread)."""
         return self._structured_outputs().grammar(structured_outputs)
 
-    def _pooling_request(
-        self, request_id, prompt, params: PoolingParams, arrival_time, cache_salt, lora_request,
-        priority,
-    ) -> Request:  # fmt: skip
-        """An embedding request: prefill-only (its placeholder SamplingParams are never read
-        for sampling), pooled as the engine pools."""
-        config = self.config
-        hidden_size = config.model.arch.hidden_size
+    def _check_pooling(self, params: PoolingParams) -> None:
+        hidden_size = self.config.model.arch.hidden_size
         if params.dimensions is not None and params.dimensions > hidden_size:
             raise ValueError(
                 f"dimensions must be at most the model's hidden size {hidden_size}, "
                 f"got {params.dimensions}"
             )
-        if priority != 0 and config.scheduler.policy != "priority":
-            raise ValueError(f"priority {priority} needs --scheduling-policy priority")
-        if lora_request is not None:
-            self.check_lora(lora_request)
-        text, token_ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids, room_for_output=False)
-        params = dataclasses.replace(params, pooling_type=config.model.pooling_type)
-        request = Request(
-            request_id, token_ids, SamplingParams(max_tokens=1), self.eos_token_ids, 1, text,
-            arrival_time, cache_salt=cache_salt, lora_request=lora_request, priority=priority,
-        )  # fmt: skip
-        request.pooling_params = params
-        return request
+
+    def _check_sequences(self, num_sequences: int) -> None:
+        """A request's n / best_of / beam width against max_num_seqs and the KV allocation."""
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if num_sequences > max_num_seqs:
+            raise ValueError(
+                f"the request runs {num_sequences} sequences (n, best_of or beam width), "
+                f"more than max_num_seqs ({max_num_seqs}): lower it or raise --max-num-seqs"
+            )
+        allocation = self.config.cache.kv_allocation
+        if num_sequences > 1 and allocation != "paged":
+            raise ValueError(
+                f"--kv-allocation {allocation} runs one sequence per request: "
+                "n, best_of and beam search need paged KV blocks"
+            )
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """ValueError unless LoRA is on and the adapter can run on this model (read once per

@@ -204,7 +204,7 @@ class ModelRunner:
     def _plan_pooling(reqs, num_computed, query_start_loc, plan: StepPlan) -> np.ndarray:
         """The rows each embedding request pools this step: the last prompt token's (LAST),
         the first's (CLS), or every row (MEAN, summed across chunks)."""
-        rows = []
+        parts, num_rows = [], 0
         for i, r in enumerate(reqs):
             if r.pooling_params is None:
                 continue
@@ -212,14 +212,15 @@ class ModelRunner:
             done = num_computed[i] + end - start >= r.num_prompt_tokens
             kind = r.pooling_params.pooling_type
             if kind == "MEAN":
-                mine = range(start, end)
+                first, last = start, end
             elif kind == "CLS":
-                mine = range(start, start + 1) if num_computed[i] == 0 else range(0)
+                first, last = start, start + (num_computed[i] == 0)
             else:
-                mine = range(end - 1, end) if done else range(0)
-            plan.pooling.append((r, len(rows), len(mine), done))
-            rows.extend(mine)
-        return np.asarray(rows, np.int64)
+                first, last = end - done, end
+            plan.pooling.append((r, num_rows, last - first, done))
+            parts.append(np.arange(first, last, dtype=np.int64))
+            num_rows += last - first
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def _plan_prompt_logprobs(self, so: SchedulerOutput, plan: StepPlan) -> list[int]:
         """The rows scoring prompt tokens, for requests asking prompt_logprobs: every prompt

@@ -185,6 +185,38 @@ class OpenAIServing:
             })  # fmt: skip
         return out
 
+    def text_or_token_prompts(
+        self, prompt, param: str, add_special_tokens: bool = True
+    ) -> list[dict]:
+        """OpenAI's four prompt forms (a string, strings, token ids, lists of token ids) ->
+        engine prompts; `param` names the field in the 400s."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError(f"{param} must not be empty", param=param)
+        if len(prompt) > self.limits.max_prompts:
+            raise OpenAIError(
+                f"the request has {len(prompt)} prompts; this server allows at most "
+                f"{self.limits.max_prompts} (--max-prompts)",
+                param=param,
+            )
+        vocab = self.engine.model_config.vocab_size
+        prompts = []
+        for p in prompt:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise OpenAIError("this model has no tokenizer: send token ids", param=param)
+                ids = self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+                prompts.append({"prompt": p, "prompt_token_ids": ids})
+                continue
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise OpenAIError(
+                    f"token id {bad[0]} is out of range for a vocabulary of {vocab}", param=param
+                )
+            prompts.append({"prompt": None, "prompt_token_ids": list(p)})
+        return prompts
+
     def model_name(self, body) -> str:
         """The name the answer gives: the adapter's, or the base model's."""
         if self.loras is not None and body.model in self.loras.adapters:

@@ -80,35 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def build_prompts(self, body: CompletionRequest, params) -> tuple[list[dict], None]:
         """A string, a list of strings, token ids, or a list of token-id lists -> engine prompts."""
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        if not prompt:
-            raise OpenAIError("prompt must not be empty", param="prompt")
-        if len(prompt) > self.limits.max_prompts:
-            raise OpenAIError(
-                f"the request has {len(prompt)} prompts; this server allows at most "
-                f"{self.limits.max_prompts} (--max-prompts)",
-                param="prompt",
-            )
-        prompts = []
-        for p in prompt:
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
-                prompts.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
-            else:
-                vocab = self.engine.model_config.vocab_size
-                bad = [t for t in p if not 0 <= t < vocab]
-                if bad:
-                    raise OpenAIError(
-                        f"token id {bad[0]} is out of range for a vocabulary of {vocab}",
-                        param="prompt",
-                    )
-                prompts.append({"prompt": None, "prompt_token_ids": list(p)})
-        return prompts, None
+        return self.text_or_token_prompts(body.prompt, "prompt"), None
 
     def _prompt_text(self, prompt: dict) -> str:
         if prompt["prompt"] is not None:

@@ -62,33 +62,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise request_failed(request_id, e) from e
 
     def _prompts(self, body: EmbeddingRequest) -> list[dict]:
-        inputs = body.input
-        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-            inputs = [inputs]
-        if not inputs:
-            raise OpenAIError("input must not be empty", param="input")
-        if len(inputs) > self.limits.max_prompts:
-            raise OpenAIError(
-                f"the request has {len(inputs)} inputs; this server allows at most "
-                f"{self.limits.max_prompts} (--max-prompts)",
-                param="input",
-            )
-        vocab = self.engine.model_config.vocab_size
-        prompts = []
-        for item in inputs:
-            if isinstance(item, str):
-                if self.tokenizer is None:
-                    raise OpenAIError("this model has no tokenizer: send token ids", param="input")
-                ids = self.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
-            else:
-                ids = list(item)
-                bad = [t for t in ids if not 0 <= t < vocab]
-                if bad:
-                    raise OpenAIError(
-                        f"token id {bad[0]} is out of range for a vocabulary of {vocab}",
-                        param="input",
-                    )
-            ids = self._truncate(ids, body.truncate_prompt_tokens)
+        prompts = self.text_or_token_prompts(body.input, "input", body.add_special_tokens)
+        for prompt in prompts:
+            ids = self._truncate(prompt["prompt_token_ids"], body.truncate_prompt_tokens)
             if not ids:
                 raise OpenAIError("an input is empty: give at least one token", param="input")
             if len(ids) > self.max_model_len:
@@ -98,8 +74,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                     "input, or set truncate_prompt_tokens.",
                     param="input",
                 )
-            prompts.append({"prompt": item if isinstance(item, str) else None,
-                            "prompt_token_ids": ids})  # fmt: skip
+            prompt["prompt_token_ids"] = ids
         return prompts
 
     def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
