@@ -15,6 +15,7 @@ LAYERS = [
         "config",
         "logger",
         "cpu_info",
+        "heap",
         "outputs",
         "sampling_params",
         "pooling_params",

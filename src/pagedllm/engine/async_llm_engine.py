@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.heap import trim_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -215,10 +216,14 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        busy = False
         try:
             while True:
                 # Block for work when idle; between steps, take whatever has arrived.
                 block = not engine.has_unfinished_requests()
+                if block and busy:
+                    trim_heap()  # the load is gone: give its freed heap pages back
+                busy = not block
                 if not self._apply_commands(block):
                     return
                 if engine.has_unfinished_requests():
