@@ -86,6 +86,18 @@ class RequestOutput:
 
 
 @dataclass
+class ResumedOutput:
+    """What a single-sequence request had generated when its engine was lost, for the engine
+    that takes it over (engine/core_client.py): the output tokens, how many characters of
+    their text were already handed out, and the tokens' summed logprob. The new engine
+    recomputes prompt and tokens, as after a recompute preemption, and goes on from there."""
+
+    token_ids: list[int]
+    num_text_chars: int = 0
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
 class PoolingOutput:
     """An embedding: the prompt's pooled hidden state (float32, normalized when asked)."""
 

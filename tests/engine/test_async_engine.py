@@ -114,14 +114,14 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
     goes on serving. Before, the RuntimeError from the closed loop stopped the engine loop."""
     import time
 
-    from pagedllm.engine.async_llm_engine import _Stream
+    from pagedllm.engine.streams import RequestStream
 
     aengine = AsyncLLMEngine(make_engine(tiny, max_model_len=32))
     try:
         closed = asyncio.new_event_loop()
         closed.close()
         for request_id, prompt in (("bad", list(range(3, 40))), ("good", PROMPTS[0])):
-            aengine._streams[request_id] = _Stream(closed, asyncio.Queue())
+            aengine._streams[request_id] = RequestStream(request_id, aengine.abort, loop=closed)
             aengine._commands.put(
                 ("add", request_id, prompt, GREEDY, time.time(), False, None, None, 0, None)
             )

@@ -21,9 +21,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.streams import (
+    MAX_STREAM_BACKLOG,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
 from pagedllm.heap import trim_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -31,28 +36,7 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; nothing more can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """Processing one request's output raised: that request stopped, the engine goes on."""
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item: RequestOutput | BaseException) -> bool:
-        """Hand `item` to the client's event loop; False when that loop is closed (the client
-        is gone: nothing will read it, and raising here would stop the engine for everyone)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # "Event loop is closed"
-            return False
-        return True
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError"]
 
 
 # Structured-output constraints compile on their own threads, off the engine loop (a large
@@ -68,14 +52,18 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         start_thread: bool = True,
         grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT,
+        max_stream_backlog: int = MAX_STREAM_BACKLOG,
     ) -> None:
+        """`max_stream_backlog`: unread outputs a request's stream holds before the request is
+        aborted (0: no bound; engine/streams.py)."""
         self.engine = engine
         self.grammar_compile_timeout = grammar_compile_timeout
+        self.max_stream_backlog = max_stream_backlog
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
             GRAMMAR_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar"
         )
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self.dead_error: BaseException | None = None
         self._stopping = False
         self._loop_done = threading.Event()
@@ -95,6 +83,11 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return not self._loop_done.is_set() and self.dead_error is None
+
+    @property
+    def is_restarting(self) -> bool:
+        """Never: an engine in this process is not restarted (engine/core_client.py is)."""
+        return False
 
     def check_health(self) -> None:
         if not self.is_running:
@@ -120,7 +113,7 @@ class AsyncLLMEngine:
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = await self._compile_grammar(params.structured_outputs)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
         self._streams[request_id] = stream
         # The loop may have died (or been stopped) between the check above and registering the
         # stream, after telling the streams it knew of: nobody would answer this one.
@@ -142,20 +135,12 @@ class AsyncLLMEngine:
                 grammar,
             )  # fmt: skip
         )
-        finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine holds nothing for it
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in stream.outputs():
+                yield output
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not stream.ended:  # the caller left early: free what the engine holds
                 self.abort(request_id)
 
     async def _compile_grammar(self, structured_outputs):

@@ -113,6 +113,10 @@ class IncrementalDetokenizer:
                 return n
         return 0
 
+    def mark_sent(self, num_chars: int) -> None:
+        """The first `num_chars` characters were handed out already (by a lost engine)."""
+        self._sent = min(num_chars, len(self._text))
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text since the last call (delta) or all of it, minus any held-back tail."""
         if finished and self._pending and self._stop_str is None:

@@ -22,7 +22,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor, create_executor
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import RequestOutput, ResumedOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -58,6 +58,19 @@ def make_kv_cache_manager(
     return ContiguousKVCacheManager(
         num_blocks, cache.block_size, cache.kv_allocation, config.scheduler.max_model_len
     )
+
+
+def _resume(request, resumed: ResumedOutput) -> None:
+    """Append a lost engine's output tokens to `request` as if sampled here (its grammar takes
+    them too); the scheduler then computes prompt and tokens as after a recompute preemption."""
+    if request.num_samples > 1 or request.group.is_beam_search or request.pooling_params:
+        raise ValueError("only a request of one sequence (n = best_of = 1, no beam search) resumes")
+    if request.num_tokens + len(resumed.token_ids) > request.max_tokens + request.num_prompt_tokens:
+        raise ValueError("the resumed output is longer than max_tokens")
+    for token_id in resumed.token_ids:
+        request.append_output_token(token_id)
+    request.output_logprobs = [None] * len(resumed.token_ids)  # aligned with the tokens
+    request.cumulative_logprob = resumed.cumulative_logprob
 
 
 class LLMEngine:
@@ -178,13 +191,16 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         grammar: Grammar | None = None,
+        resumed: ResumedOutput | None = None,
     ) -> str:
         """Queue a request; `delta=True` makes each output carry only the new text and tokens.
         Requests share prefix-cached blocks only with requests of the same `cache_salt` and
         LoRA adapter (`lora_request`, with --enable-lora). `priority`: with --scheduling-policy
         priority, lower values run first. PoolingParams (with --runner pooling): an embedding
         request, whose one output is a PoolingRequestOutput. `grammar`: the structured-output
-        constraint compiled already (compile_grammar), else it is compiled here."""
+        constraint compiled already (compile_grammar), else it is compiled here. `resumed`:
+        the output a lost engine had generated for it (a single-sequence request), taken as
+        generated here: sampling, stop checks and the text go on after it."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):
@@ -192,7 +208,9 @@ class LLMEngine:
         request = self.input_processor.process(
             request_id, prompt, params, arrival_time, cache_salt, lora_request, priority, grammar
         )
-        self.output_processor.add_request(request.group, delta)
+        if resumed is not None:
+            _resume(request, resumed)
+        self.output_processor.add_request(request.group, delta, resumed)
         self.scheduler.add_request(request)
         return request_id
 

@@ -22,6 +22,7 @@ from pagedllm.outputs import (
     PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    ResumedOutput,
 )
 from pagedllm.request import Request, RequestStatus, SequenceGroup
 
@@ -60,9 +61,21 @@ class OutputProcessor:
         self.num_first_tokens_total = 0
         self.time_to_first_token_seconds_total = 0.0
 
-    def add_request(self, group: SequenceGroup, delta: bool) -> None:
+    def add_request(
+        self, group: SequenceGroup, delta: bool, resumed: ResumedOutput | None = None
+    ) -> None:
+        """`resumed`: the output a lost engine had handed out already (its tokens are in the
+        group's sequence): neither its tokens nor its text are output again."""
         metrics = RequestMetrics(arrival_time=group.arrival_time)
-        self.states[group.request_id] = RequestState(group, delta, metrics)
+        state = RequestState(group, delta, metrics)
+        self.states[group.request_id] = state
+        if resumed is not None and resumed.token_ids:
+            seq = group.first
+            state.num_sent[seq.seq_id] = len(resumed.token_ids)
+            if self.tokenizer is not None:
+                detokenizer = self._detokenizer(state, seq)
+                detokenizer.update(list(resumed.token_ids))
+                detokenizer.mark_sent(resumed.num_text_chars)
 
     def remove(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -152,12 +165,7 @@ class OutputProcessor:
         """The sequence's new text; a stop string that matched ends it there. Of several
         tokens a step accepted (speculative decoding), those after the match are dropped, so
         the output is what decoding them one by one would have given."""
-        detokenizer = state.detokenizers.get(seq.seq_id)
-        if detokenizer is None:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
-            )
-            state.detokenizers[seq.seq_id] = detokenizer
+        detokenizer = self._detokenizer(state, seq)
         if seq.grammar is not None and seq.grammar.error is not None:
             raise RuntimeError(f"the structured output grammar failed: {seq.grammar.error}")
         new_token_ids = seq.output_token_ids[detokenizer.num_tokens :]
@@ -187,10 +195,20 @@ class OutputProcessor:
             seq.stop_reason = stop
             self._finish_seq(seq, RequestStatus.FINISHED_STOPPED)
 
+    def _detokenizer(self, state: RequestState, seq: Request) -> IncrementalDetokenizer:
+        detokenizer = state.detokenizers.get(seq.seq_id)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
+            )
+            state.detokenizers[seq.seq_id] = detokenizer
+        return detokenizer
+
     def _convert_logprobs(self, state: RequestState, seq: Request) -> list[dict[int, Logprob]]:
         converted = state.logprobs.setdefault(seq.seq_id, [])
         for record in seq.output_logprobs[len(converted) :]:
-            converted.append(self._logprob_dict(record))
+            # None: a resumed token, its logprobs handed out by the engine before
+            converted.append(None if record is None else self._logprob_dict(record))
         return converted
 
     def _logprob_dict(self, record) -> dict[int, Logprob]:

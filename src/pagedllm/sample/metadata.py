@@ -100,6 +100,11 @@ class SamplingMetadata:
                 if index not in request_generators:
                     gen = torch.Generator(device=device)
                     gen.manual_seed(p.seed + index)
+                    # A sequence resumed from a lost engine drew once per output token there:
+                    # its stream goes on where that one was (the sampler's draw per row).
+                    skip = torch.empty(vocab_size, dtype=torch.float32, device=device)
+                    for _ in range(requests[i].num_output_tokens):
+                        skip.exponential_(generator=gen)
                     request_generators[index] = gen
                 row_generators[i] = request_generators[index]
 
