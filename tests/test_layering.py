@@ -16,6 +16,7 @@ LAYERS = [
         "logger",
         "cpu_info",
         "heap",
+        "procs",
         "outputs",
         "sampling_params",
         "pooling_params",

@@ -234,6 +234,7 @@ def _lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import run_server
 
@@ -241,10 +242,23 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     config = server_config_from(ns)
-    engine = LLMEngine(engine_args_from(ns))
+    args = engine_args_from(ns)
+    if ns.engine_process:  # the engine in its own process, restarted when it fails
+        try:
+            async_engine = EngineCoreClient(
+                args,
+                step_timeout=ns.engine_step_timeout,
+                max_restarts=ns.max_engine_restarts,
+                max_stream_backlog=ns.max_stream_backlog,
+            )
+        except RuntimeError as e:
+            raise SystemExit(f"pagedllm serve: {e}") from None
+    else:  # run_server runs the engine loop on this thread
+        async_engine = AsyncLLMEngine(
+            LLMEngine(args), start_thread=False, max_stream_backlog=ns.max_stream_backlog
+        )
     phases = {"imports": imported - STARTED, "engine": time.perf_counter() - imported}
-    # run_server runs the engine loop on this thread
-    run_server(AsyncLLMEngine(engine, start_thread=False), config, started=(STARTED, phases))
+    run_server(async_engine, config, started=(STARTED, phases))
     return 0
 
 
@@ -409,6 +423,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no periodic throughput / queue / KV-cache log line")  # fmt: skip
     serve.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between those lines (default: 10)")  # fmt: skip
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine in its own process, restarted when it crashes or "
+                            "hangs, its unfinished requests resumed (default); "
+                            "--no-engine-process: on this process's main thread, not "
+                            "restarted")  # fmt: skip
+    serve.add_argument("--engine-step-timeout", type=float, default=120.0,
+                       help="seconds without a finished step, while requests are in flight, "
+                            "before the engine process counts as hung and is restarted "
+                            "(default: 120)")  # fmt: skip
+    serve.add_argument("--max-engine-restarts", type=int, default=5,
+                       help="engine restarts allowed within 10 minutes; one more and the "
+                            "server answers 503 (default: 5)")  # fmt: skip
+    serve.add_argument("--max-stream-backlog", type=int, default=512,
+                       help="outputs a streamed response may leave unread (a client that does "
+                            "not read) before its request is aborted; 0: no bound "
+                            "(default: 512)")  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

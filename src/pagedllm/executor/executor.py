@@ -26,8 +26,14 @@ class Executor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def dead(self) -> str | None:
+        """Why the group is broken (a rank exited), or None."""
+        return None
+
     def check_health(self) -> None:
         """Raise RuntimeError if a rank is gone: the engine cannot step without it."""
+        if (why := self.dead()) is not None:
+            raise RuntimeError(f"{why}: the engine cannot step")
 
     def shutdown(self) -> None:
         """Stop the other ranks, if any (idempotent)."""

@@ -30,6 +30,7 @@ from pagedllm.distributed.process_group import (
 )
 from pagedllm.executor.executor import Executor
 from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.procs import die_with_parent
 from pagedllm.worker.worker import Worker, same_pool
 
 logger = logging.getLogger("pagedllm")
@@ -45,9 +46,17 @@ def _start(worker: Worker) -> Worker:
     return worker
 
 
-def run_worker(config: EngineConfig, rank: int, address: tuple[str, int] | None = None) -> None:
-    """Ranks 1..N-1: the target of the processes rank 0 spawns (`address`: where to connect),
-    and what `pagedllm` runs on a rank > 0 that torchrun started (None: its environment)."""
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    address: tuple[str, int] | None = None,
+    parent_pid: int | None = None,
+) -> None:
+    """Ranks 1..N-1: the target of the processes rank 0 spawns (`address`: where to connect;
+    `parent_pid`: rank 0's process, which this one does not outlive), and what `pagedllm` runs
+    on a rank > 0 that torchrun started (None: its environment)."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     logging.getLogger("pagedllm").setLevel(logging.WARNING)  # rank 0 logs for all
     worker = Worker(config, rank)
     worker.init_device()
@@ -102,7 +111,7 @@ class MultiprocExecutor(Executor):
         self.procs = [
             ctx.Process(
                 target=run_worker,
-                args=(self.config, rank, address),
+                args=(self.config, rank, address, os.getpid()),
                 name=f"pagedllm-tp{rank}",
                 daemon=True,
             )
@@ -128,10 +137,6 @@ class MultiprocExecutor(Executor):
             if not p.is_alive():
                 return f"tensor-parallel worker rank {rank} exited (code {p.exitcode})"
         return None
-
-    def check_health(self) -> None:
-        if (why := self.dead()) is not None:
-            raise RuntimeError(f"{why}: the engine cannot step")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the workers to stop, wait for them, kill what is left: no process stays behind."""

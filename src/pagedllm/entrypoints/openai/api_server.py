@@ -182,6 +182,8 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def health():
         if not async_engine.is_running:
             return JSONResponse(error_body("the engine loop has stopped", 503), 503)
+        if async_engine.is_restarting:
+            return JSONResponse(error_body("the engine is restarting", 503), 503)
         return Response(status_code=200)
 
     @app.get("/version")

@@ -45,6 +45,13 @@ class EngineStatsCollector:
             metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
             metric.add_metric(value, float(stats[key]))
             yield metric
+        if "num_engine_restarts_total" in stats:  # an engine in its own process
+            metric = CounterMetricFamily(
+                "pagedllm:engine_restarts", "Engine processes restarted after a failure.",
+                labels=labels,
+            )  # fmt: skip
+            metric.add_metric(value, float(stats["num_engine_restarts_total"]))
+            yield metric
         if "spec_decode_num_drafts" in stats:
             yield from _spec_decode_metrics(stats, labels, value)
         lora = self.engine.lora_stats()

@@ -1,0 +1,574 @@
+"""The API server's side of the engine process (engine/core_proc.py): the async engine the
+serving layer calls (generate, abort, kv_snapshot, check_health, the engine's counters), with
+the engine itself in another process, restarted when it fails.
+
+A thread here reads the engine's messages and hands each output to its request's stream; it
+also watches the process. When the process dies (a crash, a kill, the OOM killer, a lost
+tensor-parallel worker) or stops making progress (no step finished for `step_timeout` seconds
+while requests are in flight), it starts another one and resubmits every unfinished request
+with the output it has handed out so far (a recompute preemption across processes, see
+LLMEngine.add_request's `resumed`): open streams go on where they were, with no token lost or
+repeated. Requests of several sequences (n > 1, best_of > 1, beam search) cannot resume: they
+start over if nothing of theirs was handed out yet, else fail with a RequestFailedError.
+Meanwhile `is_restarting` is True (/health answers 503) and new requests wait for the new
+process. Poison requests (one that crashes or hangs every engine that runs it) are found by
+probation: a request in flight at POISON_FAULTS failures blamed on requests (a crash or a hang,
+not a kill from outside) runs again only alone among such requests, one at a time; if the
+engine fails while it runs so, it is failed with a clear error and not retried, and the
+others go on. More than `max_restarts` restarts within RESTART_WINDOW seconds: the engine is
+declared dead, as an in-process one whose loop died.
+
+The engine always streams deltas; callers that asked for whole outputs get them assembled here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine import core_channel as channel
+from pagedllm.engine.arg_utils import create_engine_config
+from pagedllm.engine.core_proc import Faults, run_engine_core
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.streams import (
+    MAX_STREAM_BACKLOG,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
+from pagedllm.model_loader.loader import load_model_tokenizer
+from pagedllm.outputs import CompletionOutput, RequestOutput, ResumedOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+STEP_TIMEOUT = 120.0  # seconds without a finished step, requests in flight: a hung engine
+MAX_RESTARTS = 5  # within RESTART_WINDOW; one more and the engine is declared dead
+RESTART_WINDOW = 600.0
+STARTUP_TIMEOUT = 600.0  # seconds an engine process may take to load its model
+GRAMMAR_COMPILE_TIMEOUT = 10.0
+POISON_FAULTS = 2  # blamed failures a request was in flight for before its probation
+# Counters that are gauges (they start over with a new process); the others are summed over
+# the processes.
+_GAUGES = {"num_running", "num_waiting", "num_swapped", "kv_cache_usage", "swap_space_usage"}
+
+
+@dataclass
+class _Tracked:
+    """A request in flight, as this side knows it: enough to resubmit it."""
+
+    request_id: str
+    arrival_time: float
+    prompt: PromptType
+    params: SamplingParams | PoolingParams
+    delta: bool
+    cache_salt: str | None
+    lora_request: Any
+    priority: int
+    stream: RequestStream
+    sent: bool = False  # added to the current engine process
+    num_faults: int = 0  # engine failures blamed on requests it was in flight for
+    probation: bool = False  # runs only alone among requests on probation
+    # What was handed out (a single-sequence request resumes from it).
+    token_ids: list[int] = field(default_factory=list)
+    num_text_chars: int = 0
+    cumulative_logprob: float = 0.0
+    handed_out: bool = False
+    prompt_info: tuple | None = None  # (prompt, prompt_token_ids) from the first output
+    first_times: tuple | None = None  # (first_scheduled_time, first_token_time)
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)  # whole outputs
+
+    @property
+    def resumable(self) -> bool:
+        params = self.params
+        if isinstance(params, PoolingParams):
+            return True  # nothing handed out before its one output
+        return params.num_sequences == 1 and not params.use_beam_search
+
+
+class EngineInfo:
+    """What the serving layer reads of the engine, on this side of the channel: the resolved
+    config and the tokenizer (the same the engine process resolves and loads), the engine's
+    latest counters, and calls that go to the engine process."""
+
+    def __init__(self, client: EngineCoreClient, args: EngineArgs) -> None:
+        self._client = client
+        self.args = args
+        self.config = create_engine_config(args)
+        self.tokenizer = load_model_tokenizer(args.model, args.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.name
+
+    @property
+    def model_config(self):
+        return self.config.model.arch
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def get_stats(self) -> dict:
+        return self._client.get_stats()
+
+    def lora_stats(self) -> dict | None:
+        return self._client.lora_stats
+
+    def check_lora(self, lora_request) -> None:
+        """ValueError unless the engine can run the adapter (blocks: call it off the loop)."""
+        self._client.call_blocking("check_lora", lora_request)
+
+
+class EngineCoreClient:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        step_timeout: float = STEP_TIMEOUT,
+        max_restarts: int = MAX_RESTARTS,
+        startup_timeout: float = STARTUP_TIMEOUT,
+        grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT,
+        max_stream_backlog: int = MAX_STREAM_BACKLOG,
+        faults: Faults | None = None,
+    ) -> None:
+        """Start the engine process and wait until its model is loaded (RuntimeError if it
+        cannot start). `faults`: injected into the engine processes, for tests. The process
+        dies with the thread that starts it (PR_SET_PDEATHSIG): build the client on a thread
+        that lives as long as it (the main thread); restarts start from the client's own."""
+        import zmq
+
+        self.engine = EngineInfo(self, args)
+        self.step_timeout = step_timeout
+        self.max_restarts = max_restarts
+        self.startup_timeout = startup_timeout
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self.max_stream_backlog = max_stream_backlog
+        self.faults = faults
+        self.dead_error: BaseException | None = None
+        self.num_restarts = 0
+        self.lora_stats: dict | None = None
+        self._zmq = zmq
+        self._context = zmq.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="pagedllm-")
+        self._lock = threading.RLock()  # the request table, the input socket, the state
+        self._tracked: dict[str, _Tracked] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._stats: dict = {}
+        self._carried: dict = {}  # counters of the processes before this one
+        self._restart_times: list[float] = []
+        self._generation = 0
+        self._state = "starting"  # running | restarting | dead | stopped
+        self._fatal: channel.Fatal | None = None
+        self._last_message = time.monotonic()
+        self._proc: mp.Process | None = None
+        self._start_process()
+        self._state = "running"
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine-io", daemon=True)
+        self._thread.start()
+
+    # -- the async engine's API ---------------------------------------------------------------
+    @property
+    def has_loop_thread(self) -> bool:
+        return True
+
+    @property
+    def is_running(self) -> bool:
+        return self._state in ("running", "restarting")
+
+    @property
+    def is_restarting(self) -> bool:
+        return self._state == "restarting"
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid."""
+        return self._proc.pid if self._proc is not None else None
+
+    def check_health(self) -> None:
+        if self._state == "stopped":
+            raise EngineDeadError("the server is shutting down")
+        if self._state == "dead":
+            raise EngineDeadError(f"the engine process has stopped: {self.dead_error!r}")
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        delta: bool = False,
+        cache_salt: str | None = None,
+        lora_request=None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """As AsyncLLMEngine.generate."""
+        self.check_health()
+        stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
+        tracked = _Tracked(
+            request_id, time.time(), prompt, params, delta, cache_salt, lora_request, priority,
+            stream,
+        )  # fmt: skip
+        with self._lock:
+            self.check_health()
+            if request_id in self._tracked:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._tracked[request_id] = tracked
+            if self._state == "running":
+                self._send_add(tracked)
+        try:
+            async for output in stream.outputs():
+                yield output
+        finally:
+            if not stream.ended:  # the caller left early
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            tracked = self._forget(request_id)
+            if tracked is not None and tracked.sent and self._state == "running":
+                self._send(channel.Abort([request_id]))
+
+    async def kv_snapshot(self, check: bool = False) -> dict:
+        return await asyncio.wrap_future(self._call("kv_snapshot", check))
+
+    def call_blocking(self, method: str, *args, timeout: float = 120.0):
+        return self._call(method, *args).result(timeout)
+
+    def get_stats(self) -> dict:
+        """The engine's latest counters; totals summed over every engine process so far."""
+        stats = dict(self._stats)
+        for key, base in self._carried.items():
+            stats[key] = _add(base, stats.get(key))
+        stats["num_engine_restarts_total"] = self.num_restarts
+        return stats
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort what is in flight and stop the engine process (and this side's thread)."""
+        with self._lock:
+            if self._state == "stopped":
+                return
+            running = self._state == "running"
+            self._state = "stopped"
+            if running:
+                self._send(channel.Stop())
+            self._fail_all(EngineDeadError("the server is shutting down"))
+        self._stop_process(timeout or 0)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        self._context.destroy(linger=0)
+
+    # -- sending (under the lock) ---------------------------------------------------------------
+    def _send(self, message) -> None:
+        self._input.send(channel.encode(message))
+
+    def _send_add(self, t: _Tracked) -> None:
+        resumed = None
+        if t.token_ids:
+            resumed = ResumedOutput(list(t.token_ids), t.num_text_chars, t.cumulative_logprob)
+        payload = (t.prompt, t.params, t.cache_salt, t.lora_request, t.priority, resumed)
+        self._send(channel.Add(t.request_id, t.arrival_time, channel.pack(payload)))
+        t.sent = True
+
+    def _forget(self, request_id: str) -> _Tracked | None:
+        """Drop a request that ended or was aborted; a request on probation that ends lets the
+        next one run."""
+        t = self._tracked.pop(request_id, None)
+        if t is not None and t.probation and t.sent and self._state == "running":
+            self._submit_waiting()
+        return t
+
+    def _submit_waiting(self) -> None:
+        """Send what waits (after a restart), in arrival order: every request not on
+        probation, and the first on probation unless one of them runs already."""
+        waiting = sorted((t for t in self._tracked.values() if not t.sent),
+                         key=lambda t: t.arrival_time)  # fmt: skip
+        probation_running = any(t.sent and t.probation for t in self._tracked.values())
+        for t in waiting:
+            if t.probation:
+                if probation_running:
+                    continue
+                probation_running = True
+            self._send_add(t)
+
+    def _call(self, method: str, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self.check_health()
+            if self._state != "running":
+                raise EngineDeadError("the engine process is restarting")
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+            self._send(channel.Call(call_id, method, channel.pack(args)))
+        return future
+
+    # -- the engine process ---------------------------------------------------------------------
+    def _start_process(self) -> None:
+        """Fresh sockets (nothing meant for a dead process reaches the next), the process, and
+        its Ready; RuntimeError if it exits or fails to start in time."""
+        zmq = self._zmq
+        self._generation += 1
+        base = f"ipc://{self._socket_dir}/{self._generation}"
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.bind(f"{base}-in")
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(f"{base}-out")
+        self._fatal = None
+        ctx = mp.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.engine.args, f"{base}-in", f"{base}-out", os.getpid(),
+                  self._generation - 1, self.grammar_compile_timeout, self.faults),
+            name="pagedllm-engine",
+        )  # fmt: skip
+        self._proc.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._output.poll(100):
+                message = channel.decode_from_engine(self._output.recv())
+                if isinstance(message, channel.Ready):
+                    self._last_message = time.monotonic()
+                    self._stats, self.lora_stats = channel.unpack(message.stats)
+                    logger.info("engine process %d ready", message.pid)
+                    return
+                if isinstance(message, channel.Fatal):
+                    self._stop_process(5)
+                    raise RuntimeError(message.message)
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited (code {self._proc.exitcode})")
+        self._stop_process(0)
+        raise RuntimeError(f"the engine process did not start within {self.startup_timeout:g} s")
+
+    def _stop_process(self, timeout: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        for sock in (self._input, self._output):
+            sock.close(linger=0)
+
+    # -- the thread: outputs, watching, restarting ---------------------------------------------
+    def _run(self) -> None:
+        while self._state not in ("stopped", "dead"):
+            try:
+                if self._output.poll(100):
+                    self._take_messages()
+            except self._zmq.ZMQError:
+                if self._state in ("stopped", "dead"):
+                    return
+                raise
+            failure = self._failure()
+            if failure is not None and self._state == "running":
+                self._restart(*failure)
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                frame = self._output.recv(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                return
+            self._last_message = time.monotonic()
+            message = channel.decode_from_engine(frame)
+            if isinstance(message, channel.Outputs):
+                self._stats, self.lora_stats = channel.unpack(message.stats)
+                for output in channel.unpack(message.outputs):
+                    self._deliver(output)
+            elif isinstance(message, channel.Rejected):
+                with self._lock:
+                    tracked = self._forget(message.request_id)
+                if tracked is not None:
+                    error_type = ValueError if message.kind == "bad_request" else RequestFailedError
+                    tracked.stream.put(error_type(message.message))
+            elif isinstance(message, channel.Reply):
+                future = self._calls.pop(message.call_id, None)
+                if future is not None and future.set_running_or_notify_cancel():
+                    value = channel.unpack(message.value)
+                    if message.ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(ValueError(value))
+            elif isinstance(message, channel.Fatal):
+                self._fatal = message
+
+    def _deliver(self, output) -> None:
+        with self._lock:
+            t = self._tracked.get(output.request_id)
+            if t is None:
+                return  # aborted meanwhile
+            if output.finished:
+                self._forget(output.request_id)
+        if getattr(output, "error", None) is not None:
+            t.stream.put(RequestFailedError(output.error))
+            return
+        if isinstance(output, RequestOutput):
+            output = self._track(t, output)
+        t.handed_out = True
+        t.stream.put(output)
+
+    def _track(self, t: _Tracked, output: RequestOutput) -> RequestOutput:
+        """Note what `output` (a delta) hands out, for a resume; the caller's view of it."""
+        if t.prompt_info is None:
+            t.prompt_info = (output.prompt, output.prompt_token_ids)
+        metrics = output.metrics
+        if metrics is not None:
+            if t.first_times is None and metrics.first_token_time is not None:
+                t.first_times = (metrics.first_scheduled_time, metrics.first_token_time)
+            elif t.first_times is not None:  # a resumed request: its first times were before
+                metrics.first_scheduled_time, metrics.first_token_time = t.first_times
+        if t.resumable and output.outputs:
+            (c,) = output.outputs
+            t.token_ids += c.token_ids
+            t.num_text_chars += len(c.text)
+            if c.cumulative_logprob is not None:
+                t.cumulative_logprob = c.cumulative_logprob
+        if t.delta:
+            return output
+        for c in output.outputs:
+            whole = t.completions.get(c.index)
+            if whole is None:
+                t.completions[c.index] = dataclasses.replace(
+                    c, token_ids=list(c.token_ids),
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                )  # fmt: skip
+                continue
+            whole.text += c.text
+            whole.token_ids += c.token_ids
+            if c.logprobs is not None:
+                whole.logprobs = (whole.logprobs or []) + c.logprobs
+            whole.cumulative_logprob = c.cumulative_logprob
+            whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
+        output.outputs = [
+            dataclasses.replace(c, token_ids=list(c.token_ids),
+                                logprobs=list(c.logprobs) if c.logprobs is not None else None)
+            for _, c in sorted(t.completions.items())
+        ]  # fmt: skip
+        return output
+
+    def _failure(self) -> tuple[str, bool] | None:
+        """Why the engine process must be replaced (and whether to blame its requests)."""
+        proc = self._proc
+        if self._fatal is not None:
+            return f"the engine failed: {self._fatal.message}", self._fatal.blame
+        if not proc.is_alive():
+            code = proc.exitcode
+            external = code in (-signal.SIGKILL, -signal.SIGTERM)  # an operator, the OOM killer
+            return f"the engine process exited (code {code})", not external
+        in_flight = any(t.sent for t in self._tracked.values()) or bool(self._calls)
+        silent = time.monotonic() - self._last_message
+        if in_flight and silent > self.step_timeout:
+            return f"no engine step finished in {silent:.0f} s (--engine-step-timeout)", True
+        return None
+
+    def _restart(self, reason: str, blame: bool) -> None:
+        logger.error("%s: restarting the engine process", reason)
+        with self._lock:
+            self._state = "restarting"
+            for future in self._calls.values():
+                future.set_exception(EngineDeadError(f"{reason}: the call was lost"))
+            self._calls.clear()
+            self._carry_stats()
+            self._sort_out_requests(reason, blame)
+        self._stop_process(0)
+        while True:
+            now = time.monotonic()
+            self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW]
+            if len(self._restart_times) >= self.max_restarts:
+                self._give_up(f"{reason}; {self.max_restarts} restarts in {RESTART_WINDOW:g} s")
+                return
+            self._restart_times.append(now)
+            self.num_restarts += 1
+            time.sleep(min(10.0, 0.25 * 2 ** (len(self._restart_times) - 1)))  # backoff
+            if self._state == "stopped":
+                return
+            try:
+                self._start_process()
+                break
+            except RuntimeError as e:
+                reason = f"the engine process failed to start again: {e}"
+                logger.error("%s", reason)
+        with self._lock:
+            if self._state == "stopped":
+                self._stop_process(0)
+                return
+            self._state = "running"
+            self._submit_waiting()
+        logger.info("engine process restarted; %d requests resubmitted", len(self._tracked))
+
+    def _sort_out_requests(self, reason: str, blame: bool) -> None:
+        """Fail the requests that cannot go on (under the lock); the others wait to be
+        resubmitted."""
+        in_flight = [t for t in self._tracked.values() if t.sent]
+        for t in list(self._tracked.values()):
+            error = None
+            if blame and t.sent:
+                t.num_faults += 1
+                if t.probation or (t.num_faults >= POISON_FAULTS and len(in_flight) == 1):
+                    error = (
+                        f"request {t.request_id} failed: the engine failed {t.num_faults} times "
+                        f"while running it (the last: {reason}), the last time with no other "
+                        "suspect request: it is not retried"
+                    )
+                t.probation = t.num_faults >= POISON_FAULTS
+            if error is None and not t.resumable and t.handed_out:
+                error = (
+                    f"request {t.request_id} was lost with its engine ({reason}) and cannot "
+                    "resume: requests of several sequences (n, best_of, beam search) restart "
+                    "only before their first output"
+                )
+            if error is not None:
+                del self._tracked[t.request_id]
+                t.stream.put(RequestFailedError(error))
+                continue
+            t.sent = False
+            if not t.resumable:
+                t.completions.clear()
+
+    def _carry_stats(self) -> None:
+        for key, value in self._stats.items():
+            if key in _GAUGES or not isinstance(value, int | float | list):
+                continue
+            self._carried[key] = _add(self._carried.get(key), value)
+        # Until the next process reports: nothing running, no counts of its own.
+        self._stats = {k: [] if isinstance(v, list) else 0 for k, v in self._stats.items()}
+
+    def _give_up(self, reason: str) -> None:
+        logger.error("%s: the engine is not restarted again", reason)
+        self.dead_error = RuntimeError(reason)
+        with self._lock:
+            self._state = "dead"
+            self._fail_all(EngineDeadError(f"the engine process has stopped: {reason}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for t in self._tracked.values():
+            t.stream.put(error)
+        self._tracked.clear()
+        for future in self._calls.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        self._calls.clear()
+
+
+def _add(a, b):
+    """Two readings of a counter summed (a list: by position); None counts as nothing."""
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, list):
+        return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+    return a + b

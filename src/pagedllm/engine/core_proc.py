@@ -1,0 +1,234 @@
+"""The engine process: an LLMEngine (scheduler, KV cache, model, tensor-parallel workers) that
+steps on its main thread and talks to the API server over ZMQ (engine/core_channel.py;
+engine/core_client.py is the other end).
+
+Between two steps it takes what the server sent: requests (added as soon as their structured-
+output constraint, if any, has compiled on a compile thread), aborts, calls (a KV snapshot,
+checking a LoRA adapter). After every step it sends the step's outputs (as deltas) and the
+engine's counters; idle, it sends the counters every HEARTBEAT seconds, so the server can tell
+a hung step (no message while requests are in flight) from an idle engine. If the loop raises,
+it sends a Fatal message and exits; the server starts another process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine import core_channel as channel
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.heap import trim_heap
+from pagedllm.logger import init_logger
+from pagedllm.procs import die_with_parent
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+HEARTBEAT = 1.0  # seconds between two messages of an idle engine
+GRAMMAR_COMPILE_THREADS = 2
+
+
+@dataclass
+class Faults:
+    """Faults a test injects into engine processes (never set when serving)."""
+
+    hang_at_step: int | None = None  # the first engine process sleeps in this step ...
+    hang_seconds: float = 3600.0  # ... this long
+    crash_on_token: int | None = None  # a process aborts when it runs a prompt with this token
+
+
+def run_engine_core(
+    args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    generation: int,
+    grammar_compile_timeout: float,
+    faults: Faults | None,
+) -> None:
+    """The engine process's target: build the engine, say Ready, serve until told to stop."""
+    import zmq
+
+    die_with_parent(parent_pid)
+    init_logger()
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    try:
+        engine = LLMEngine(args)
+    except BaseException as e:
+        outputs.send(channel.encode(channel.Fatal(f"the engine failed to start: {e!r}", False)))
+        raise
+    if faults is not None and generation > 0:
+        faults = Faults(crash_on_token=faults.crash_on_token)  # a hang happens once
+    core = EngineCore(engine, inputs, outputs, grammar_compile_timeout, faults)
+    stats = channel.pack((engine.get_stats(), engine.lora_stats()))
+    outputs.send(channel.encode(channel.Ready(os.getpid(), stats)))
+    try:
+        core.run()
+    except BaseException as e:
+        logger.exception("the engine process failed")
+        blame = engine.executor.dead() is None  # a lost worker is not the requests' fault
+        outputs.send(channel.encode(channel.Fatal(repr(e), blame)))
+        outputs.close(linger=2000)
+        sys.exit(1)
+    finally:
+        engine.shutdown()
+    outputs.close(linger=2000)
+    inputs.close(linger=0)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, inputs, outputs, grammar_timeout: float, faults):
+        import zmq
+
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.grammar_timeout = grammar_timeout
+        self.faults = faults or Faults()
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            GRAMMAR_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar"
+        )
+        # request id -> (compile future, deadline, the Add message's fields)
+        self._compiling: dict[str, tuple[concurrent.futures.Future, float, tuple]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(inputs, zmq.POLLIN)
+        self._zmq_again = zmq.Again
+        self._noblock = zmq.NOBLOCK
+        self._crash_ids: set[str] = set()
+        self.num_steps = 0
+
+    def run(self) -> None:
+        engine = self.engine
+        busy = False
+        last_sent = time.monotonic()
+        while True:
+            idle = not engine.has_unfinished_requests()
+            if idle and busy:
+                trim_heap()  # the load is gone: give its freed heap pages back
+            busy = not idle
+            timeout = 10 if self._compiling else HEARTBEAT * 1000
+            if not self._take_messages(timeout if idle else 0):
+                return
+            self._add_compiled()
+            if engine.has_unfinished_requests():
+                self._inject_faults()
+                step_outputs = engine.step()
+                self.num_steps += 1
+                self._send_outputs(step_outputs)
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= HEARTBEAT:
+                engine.check_workers()
+                self._send_outputs([])
+                last_sent = time.monotonic()
+
+    def _take_messages(self, timeout_ms: float) -> bool:
+        """Handle what has arrived, waiting up to `timeout_ms` for the first; False on Stop."""
+        if not self._poller.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                frame = self.inputs.recv(self._noblock)
+            except self._zmq_again:
+                return True
+            message = channel.decode_to_engine(frame)
+            if isinstance(message, channel.Stop):
+                self.engine.abort_request(list(self.engine.scheduler.requests))
+                return False
+            self._handle(message)
+
+    def _handle(self, message) -> None:
+        engine = self.engine
+        if isinstance(message, channel.Abort):
+            for request_id in message.request_ids:
+                if self._compiling.pop(request_id, None) is None:
+                    engine.abort_request(request_id)
+        elif isinstance(message, channel.Add):
+            fields = (message.request_id, message.arrival_time, *channel.unpack(message.payload))
+            params = fields[3]
+            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+                work = self._grammar_pool.submit(engine.compile_grammar, params.structured_outputs)
+                deadline = time.monotonic() + self.grammar_timeout
+                self._compiling[message.request_id] = (work, deadline, fields)
+            else:
+                self._add(fields, None)
+        elif isinstance(message, channel.Call):
+            self._call(message)
+
+    def _add_compiled(self) -> None:
+        now = time.monotonic()
+        for request_id, (work, deadline, fields) in list(self._compiling.items()):
+            if not work.done() and now < deadline:
+                continue
+            del self._compiling[request_id]
+            if not work.done():
+                work.cancel()
+                self._reject(
+                    request_id, "bad_request",
+                    f"the structured-output constraint did not compile within "
+                    f"{self.grammar_timeout:g} s: simplify the schema or grammar",
+                )  # fmt: skip
+            elif (error := work.exception()) is not None:
+                kind = "bad_request" if isinstance(error, ValueError) else "failed"
+                self._reject(request_id, kind, str(error) if kind == "bad_request" else repr(error))
+            else:
+                self._add(fields, work.result())
+
+    def _add(self, fields: tuple, grammar) -> None:
+        request_id, arrival, prompt, params, cache_salt, lora, priority, resumed = fields
+        try:
+            self.engine.add_request(
+                request_id, prompt, params, arrival, True, cache_salt, lora, priority, grammar,
+                resumed,
+            )  # fmt: skip
+        except ValueError as e:
+            self._reject(request_id, "bad_request", str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
+            logger.error("request %s failed: %r", request_id, e, exc_info=e)
+            self.engine.abort_request(request_id)
+            self._reject(request_id, "failed", f"request {request_id} failed: {e!r}")
+            return
+        token = self.faults.crash_on_token
+        group = self.engine.scheduler.requests[request_id]
+        if token is not None and token in group.first.prompt_token_ids:
+            self._crash_ids.add(request_id)
+
+    def _reject(self, request_id: str, kind: str, message: str) -> None:
+        self.outputs.send(channel.encode(channel.Rejected(request_id, kind, message)))
+
+    def _call(self, message: channel.Call) -> None:
+        engine = self.engine
+        calls = {
+            "kv_snapshot": engine.kv_snapshot,
+            "check_lora": engine.check_lora,
+            "reset_prefix_cache": engine.reset_prefix_cache,
+        }
+        try:
+            value, ok = calls[message.method](*channel.unpack(message.args)), True
+        except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
+            value, ok = f"{type(e).__name__}: {e}", False
+        reply = channel.Reply(message.call_id, ok, channel.pack(value))
+        self.outputs.send(channel.encode(reply))
+
+    def _send_outputs(self, step_outputs: list) -> None:
+        engine = self.engine
+        stats = (engine.get_stats(), engine.lora_stats())
+        message = channel.Outputs(channel.pack(step_outputs), channel.pack(stats), self.num_steps)
+        self.outputs.send(channel.encode(message))
+
+    def _inject_faults(self) -> None:
+        faults = self.faults
+        if faults.hang_at_step is not None and self.num_steps == faults.hang_at_step:
+            logger.warning("injected fault: step %d hangs", self.num_steps)
+            time.sleep(faults.hang_seconds)
+        if self._crash_ids & set(self.engine.scheduler.requests):
+            logger.warning("injected fault: a request crashes the engine process")
+            os.abort()
