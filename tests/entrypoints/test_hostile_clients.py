@@ -194,3 +194,44 @@ def test_well_behaved_latency_under_attack(url):
     print(f"attack: {cut_off['idle']} idle connections closed by the server, "
           f"{cut_off['slowloris']} slowloris connections opened")  # fmt: skip
     assert len(attacked) == 30 and cut_off["idle"] >= 300
+
+
+def test_a_reader_that_never_reads_is_aborted_before_its_max_tokens(tmp_path_factory):
+    """A streaming client that sends its request and never reads (a 4 KiB receive window):
+    once the socket's and the server's buffers are full, its outputs pile up unread; past
+    --max-stream-backlog (32 here) the request is aborted and its blocks freed before its 2,000
+    tokens, while the connection is still open; another client is served meanwhile."""
+    path = tmp_path_factory.mktemp("tiny-49k-reader")
+    save_tiny_llama(path, vocab_size=49152, max_position_embeddings=2048)
+    args = EngineArgs(model=str(path), tokenizer="SmolLM2-135M-Instruct", dtype="float32",
+                      kv_cache_memory="16MiB")  # fmt: skip
+    engine = AsyncLLMEngine(LLMEngine(args), max_stream_backlog=32)
+    try:
+        with serve_in_thread(engine, "m") as url:  # a 64 KiB send buffer per connection
+            host, port = url.removeprefix("http://").split(":")
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            # logprobs make each event ~1 KiB: the buffers fill within the 2,000 tokens
+            body = (b'{"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": true, '
+                    b'"stream": true, "logprobs": 5}')  # fmt: skip
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))  # fmt: skip
+            try:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    stats = engine.engine.get_stats()
+                    if stats["num_generation_tokens_total"] > 0 and stats["num_running"] == 0:
+                        break
+                generated = engine.engine.get_stats()["num_generation_tokens_total"]
+                assert 32 < generated < 2000
+                assert engine.engine.scheduler.kv_cache_manager.usage == 0
+                ok = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30)
+                assert ok.status_code == 200
+                print(f"\na reader that never reads: aborted after {generated} tokens")
+            finally:
+                sock.close()
+    finally:
+        engine.shutdown()

@@ -172,6 +172,8 @@ class EngineCoreClient:
         self._stats: dict = {}
         self._carried: dict = {}  # counters of the processes before this one
         self._restart_times: list[float] = []
+        self._stepped = False  # the current engine process finished a step
+        self._num_futile = 0  # engine processes in a row that failed before any step
         self._generation = 0
         self._state = "starting"  # running | restarting | dead | stopped
         self._fatal: channel.Fatal | None = None
@@ -388,6 +390,7 @@ class EngineCoreClient:
             message = channel.decode_from_engine(frame)
             if isinstance(message, channel.Outputs):
                 self._stats, self.lora_stats = channel.unpack(message.stats)
+                self._stepped = self._stepped or message.num_steps > 0
                 for output in channel.unpack(message.outputs):
                     self._deliver(output)
             elif isinstance(message, channel.Rejected):
@@ -494,10 +497,15 @@ class EngineCoreClient:
                 return
             self._restart_times.append(now)
             self.num_restarts += 1
-            time.sleep(min(10.0, 0.25 * 2 ** (len(self._restart_times) - 1)))  # backoff
+            # An engine that stepped is restarted at once; one that failed before its first
+            # step (or did not start) after a growing pause: a crash loop must not spin.
+            self._num_futile = 0 if self._stepped else self._num_futile + 1
+            if self._num_futile:
+                time.sleep(min(10.0, 0.5 * 2 ** (self._num_futile - 1)))
             if self._state == "stopped":
                 return
             try:
+                self._stepped = False
                 self._start_process()
                 break
             except RuntimeError as e:

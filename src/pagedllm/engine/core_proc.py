@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ def run_engine_core(
     import zmq
 
     die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group, a service manager's SIGTERM the whole cgroup:
+    # the server drains its requests first, then stops this process (or it dies with it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     init_logger()
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
@@ -62,9 +67,10 @@ def run_engine_core(
     outputs.connect(output_address)
     try:
         engine = LLMEngine(args)
-    except BaseException as e:
+    except BaseException as e:  # the server reports it (a bad flag is not a crash to trace)
         outputs.send(channel.encode(channel.Fatal(f"the engine failed to start: {e!r}", False)))
-        raise
+        outputs.close(linger=2000)
+        sys.exit(1)
     if faults is not None and generation > 0:
         faults = Faults(crash_on_token=faults.crash_on_token)  # a hang happens once
     core = EngineCore(engine, inputs, outputs, grammar_compile_timeout, faults)

@@ -212,6 +212,7 @@ def server_config_from(ns: argparse.Namespace):
             ns.timeout_keep_alive,
             ns.timeout_request_header or None,
             ns.timeout_request_body or None,
+            ns.send_buffer_bytes or None,
         ),  # fmt: skip
         log_requests=ns.enable_log_requests,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
@@ -385,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     conns.add_argument("--timeout-request-body", type=float, default=60.0,
                        help="seconds its body may take after them, or a 408; 0: no limit "
                             "(default: 60)")  # fmt: skip
+    conns.add_argument("--send-buffer-bytes", type=int, default=65536,
+                       help="each connection's kernel send buffer, so that a client that stops "
+                            "reading stops the server's writer soon (then --max-stream-backlog "
+                            "applies); 0: the kernel's own, which grows to MiBs (default: "
+                            "65536)")  # fmt: skip
     serve.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,

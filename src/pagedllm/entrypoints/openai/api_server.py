@@ -355,9 +355,11 @@ def run_server(
 
 
 def _serve_here(server: _Server, async_engine: AsyncLLMEngine) -> None:
-    """uvicorn on this thread, the engine loop on its own."""
+    """uvicorn on this thread, the engine loop on its own (or in its own process)."""
+    signalled = []
 
     def _exit(signum, frame):
+        signalled.append(signum)
         raise SystemExit(0)
 
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal with the
@@ -367,6 +369,9 @@ def _serve_here(server: _Server, async_engine: AsyncLLMEngine) -> None:
         server.run()
     except KeyboardInterrupt:
         pass
+    except SystemExit:
+        if not signalled:  # uvicorn's own (the port is taken)
+            raise
     finally:
         async_engine.shutdown()
 

@@ -6,11 +6,15 @@ connections is cut off, and well-behaved clients keep their latency (docs/reliab
 
 uvicorn's HTTP/1.1 protocol has the idle timer (`timeout_keep_alive`, armed after a response)
 and the concurrency bound (`limit_concurrency`, a 503 past it), but no time limit on a
-request's headers: `header_timeout_protocol` adds one."""
+request's headers: `limited_protocol` adds one. It also fixes each connection's kernel send
+buffer (by default Linux grows it up to 4 MiB): a client that stops reading its stream then
+stops the server's writer soon, and its request's unread outputs reach the engine's backlog
+bound (engine/streams.py) instead of going on into the socket."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import uvicorn
 from fastapi.responses import JSONResponse
@@ -19,19 +23,25 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedllm.entrypoints.openai.errors import error_body
 
 
-def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
+def limited_protocol(timeout: float | None, send_buffer: int | None) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose next request's headers have not all
-    arrived `timeout` seconds after it opened or after its last response. Bytes trickling in do
-    not reset the clock (that is what a slowloris client counts on)."""
+    arrived `timeout` seconds after it opened or after its last response (bytes trickling in
+    do not reset the clock: that is what a slowloris client counts on), its socket's send
+    buffer `send_buffer` bytes (None: the kernel's)."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class LimitedProtocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if send_buffer is not None and sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
             self._served = None  # the cycle that last completed (None: none yet)
+            self._header_timer = None
             self._arm()
 
         def _arm(self) -> None:
-            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
+            if timeout is not None:
+                self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -58,16 +68,16 @@ def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
             if self.cycle is None or self.cycle is self._served:
                 self.transport.close()
 
-    return HeaderTimeoutProtocol
+    return LimitedProtocol
 
 
 def uvicorn_config(app, config, **options) -> uvicorn.Config:
     """uvicorn's Config for `app` as the ServerConfig's connection limits say (host, port and
     the rest in `options`)."""
     limits = config.connections
-    http = "h11" if limits.header_timeout is None else header_timeout_protocol(
-        limits.header_timeout
-    )  # fmt: skip
+    http = "h11"
+    if limits.header_timeout is not None or limits.send_buffer_bytes is not None:
+        http = limited_protocol(limits.header_timeout, limits.send_buffer_bytes)
     return uvicorn.Config(
         app, http=http, limit_concurrency=limits.limit_concurrency,
         timeout_keep_alive=limits.timeout_keep_alive, **options,

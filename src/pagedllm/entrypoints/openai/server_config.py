@@ -43,6 +43,8 @@ class ConnectionLimits:
     timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
     header_timeout: float | None = 10.0  # a request's headers must all arrive within this
     body_timeout: float | None = 60.0  # and its body within this, after the headers
+    # a connection's kernel send buffer (the kernel doubles it); None: the kernel's autotuning
+    send_buffer_bytes: int | None = 65536
 
     def __post_init__(self) -> None:
         if self.limit_concurrency is not None and self.limit_concurrency < 1:

@@ -20,8 +20,10 @@ T = TypeVar("T")
 
 async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Items of several async generators as they come, tagged with the generator's index.
-    Closing the merged stream cancels the pumps, which closes (aborts) every generator."""
-    queue: asyncio.Queue = asyncio.Queue()
+    Closing the merged stream cancels the pumps, which closes (aborts) every generator. The
+    queue holds one item per generator: a consumer that stops leaves the items unread in the
+    generators (the engine's streams bound them), not here."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
     done = object()
 
     async def pump(i: int, gen: AsyncIterator[T]) -> None:
