@@ -55,9 +55,11 @@ bench: setup
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 48 --baseline hf
 
 # Thousands of streams through an in-process server, then the leak checks (failed requests,
-# blocks still held, pool integrity, resident memory at start and end); exits 1 on a failure
-# or a leak. SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts). An experiment of
-# the checkout's benchmarks/, run from its root.
+# blocks still held, pool integrity, resident memory after the warm-up and each round, read
+# after malloc_trim, and the object types grown most); exits 1 on a failure or a leak.
+# SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts, --rounds, or
+# --max-rss-growth 2 to fail on RSS growth; docs/reliability.md has the long form). An
+# experiment of the checkout's benchmarks/, run from its root.
 soak: setup
 	$(PY) -m benchmarks.soak --num-prompts 2000 --max-concurrency 64 \
-		--kv-cache-memory 256MiB --max-model-len 2048 $(SOAK_ARGS)
+		--kv-cache-memory 256MiB --max-model-len 2048 --trim-heap $(SOAK_ARGS)

@@ -23,12 +23,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=48, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def args(tmp_path_factory):
+def tiny_args(tmp_path_factory, **kwargs) -> EngineArgs:
+    """A tiny random Llama with the default model's tokenizer (text works), float32."""
     path = tmp_path_factory.mktemp("tiny-process")
     save_tiny_llama(path, vocab_size=49152, max_position_embeddings=512)
     return EngineArgs(model=str(path), tokenizer="SmolLM2-135M-Instruct", dtype="float32",
-                      block_size=4, kv_cache_memory="16MiB")  # fmt: skip
+                      kv_cache_memory="16MiB", **kwargs)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def args(tmp_path_factory):
+    return tiny_args(tmp_path_factory, block_size=4)
 
 
 @pytest.fixture(scope="module")

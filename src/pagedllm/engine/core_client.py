@@ -275,16 +275,26 @@ class EngineCoreClient:
         self._context.destroy(linger=0)
 
     # -- sending (under the lock) ---------------------------------------------------------------
-    def _send(self, message) -> None:
-        self._input.send(channel.encode(message))
+    def _send(self, message) -> bool:
+        """Send without blocking; False when the engine process is gone (its socket has no
+        peer: a blocking send would wait, holding the lock, for ever). The request it carried
+        is resubmitted to the next process, like every unfinished one."""
+        frame = channel.encode(message)
+        while True:
+            try:
+                self._input.send(frame, self._zmq.NOBLOCK)
+                return True
+            except self._zmq.Again:
+                if self._state != "running" or not self._proc.is_alive():
+                    return False
+                time.sleep(0.001)  # a process that just started: its connection is under way
 
     def _send_add(self, t: _Tracked) -> None:
         resumed = None
         if t.token_ids:
             resumed = ResumedOutput(list(t.token_ids), t.num_text_chars, t.cumulative_logprob)
         payload = (t.prompt, t.params, t.cache_salt, t.lora_request, t.priority, resumed)
-        self._send(channel.Add(t.request_id, t.arrival_time, channel.pack(payload)))
-        t.sent = True
+        t.sent = self._send(channel.Add(t.request_id, t.arrival_time, channel.pack(payload)))
 
     def _forget(self, request_id: str) -> _Tracked | None:
         """Drop a request that ended or was aborted; a request on probation that ends lets the
@@ -315,7 +325,9 @@ class EngineCoreClient:
                 raise EngineDeadError("the engine process is restarting")
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-            self._send(channel.Call(call_id, method, channel.pack(args)))
+            if not self._send(channel.Call(call_id, method, channel.pack(args))):
+                del self._calls[call_id]
+                raise EngineDeadError("the engine process is restarting")
         return future
 
     # -- the engine process ---------------------------------------------------------------------
@@ -326,6 +338,7 @@ class EngineCoreClient:
         self._generation += 1
         base = f"ipc://{self._socket_dir}/{self._generation}"
         self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # no bound: a send never waits for the engine
         self._input.bind(f"{base}-in")
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(f"{base}-out")
