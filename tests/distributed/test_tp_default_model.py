@@ -106,8 +106,9 @@ def test_server_answers_and_stops_cleanly():
     assert not any(_alive(p) for p in workers + _children(proc.pid))
 
 
-def test_health_reports_a_dead_worker():
-    proc, url, lines = _serve()
+def test_a_dead_worker_without_the_engine_process_is_reported():
+    """--no-engine-process: rank 1 dies, the engine cannot step; /health and requests say so."""
+    proc, url, lines = _serve("--no-engine-process")
     try:
         (worker,) = _workers(proc.pid)
         os.kill(worker, signal.SIGKILL)
@@ -118,6 +119,33 @@ def test_health_reports_a_dead_worker():
         assert httpx.get(f"{url}/health", timeout=5).status_code == 503
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code >= 500 and "worker rank 1 exited" in r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert not any(_alive(p) for p in _children(proc.pid))
+
+
+def test_a_dead_worker_takes_its_engine_process_down_and_both_are_replaced():
+    """The default: rank 1 (a child of the engine process) dies; the engine process fails, the
+    server starts another with a new rank 1 (/health 503 meanwhile), and serves again."""
+    proc, url, lines = _serve()
+    try:
+        (engine,) = _workers(proc.pid)
+        (worker,) = _workers(engine)
+        os.kill(worker, signal.SIGKILL)
+        deadline, seen = time.time() + 120, set()
+        while not (503 in seen and 200 in seen):
+            assert time.time() < deadline, "".join(lines)
+            seen.add(httpx.get(f"{url}/health", timeout=5).status_code)
+            time.sleep(0.1)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        (new_engine,) = _workers(proc.pid)
+        assert new_engine != engine and len(_workers(new_engine)) == 1
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert "pagedllm:engine_restarts_total" in metrics and "tensor-parallel worker" in "".join(
+            lines
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -108,7 +108,9 @@ def _stub_engine(alive=True):
 
             raise EngineDeadError("the engine loop has stopped")
 
-    return SimpleNamespace(engine=engine, is_running=alive, check_health=check_health)
+    return SimpleNamespace(
+        engine=engine, is_running=alive, is_restarting=False, check_health=check_health
+    )
 
 
 def _error(response, status, fragment):

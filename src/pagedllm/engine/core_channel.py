@@ -15,12 +15,14 @@ import msgspec
 
 
 class Add(msgspec.Struct, tag=True):
-    """A request: `payload` pickles (prompt, params, cache_salt, lora_request, priority,
-    resumed); the engine's outputs come as deltas."""
+    """A request: `payload` pickles (prompt, params, cache_salt, lora_request, priority),
+    `resumed` its ResumedOutput when it comes back to a new engine; the engine's outputs come
+    as deltas."""
 
     request_id: str
     arrival_time: float
     payload: bytes
+    resumed: bytes | None = None
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -24,19 +24,20 @@ The engine always streams deltas; callers that asked for whole outputs get them 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
@@ -73,12 +74,9 @@ class _Tracked:
 
     request_id: str
     arrival_time: float
-    prompt: PromptType
     params: SamplingParams | PoolingParams
     delta: bool
-    cache_salt: str | None
-    lora_request: Any
-    priority: int
+    payload: bytes  # the Add message's: prompt, params, cache_salt, lora_request, priority
     stream: RequestStream
     sent: bool = False  # added to the current engine process
     num_faults: int = 0  # engine failures blamed on requests it was in flight for
@@ -88,7 +86,6 @@ class _Tracked:
     num_text_chars: int = 0
     cumulative_logprob: float = 0.0
     handed_out: bool = False
-    prompt_info: tuple | None = None  # (prompt, prompt_token_ids) from the first output
     first_times: tuple | None = None  # (first_scheduled_time, first_token_time)
     completions: dict[int, CompletionOutput] = field(default_factory=dict)  # whole outputs
 
@@ -183,6 +180,8 @@ class EngineCoreClient:
         self._state = "running"
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine-io", daemon=True)
         self._thread.start()
+        # Before multiprocessing's own exit hook, which would wait for the engine process.
+        atexit.register(self.shutdown, 2.0)
 
     # -- the async engine's API ---------------------------------------------------------------
     @property
@@ -220,11 +219,15 @@ class EngineCoreClient:
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncLLMEngine.generate."""
         self.check_health()
+        try:
+            payload = channel.pack((prompt, params, cache_salt, lora_request, priority))
+        except (RecursionError, TypeError, pickle.PicklingError) as e:
+            raise ValueError(
+                f"the request cannot be sent to the engine ({e}): it is nested too deeply "
+                "(Python's recursion limit) or holds what cannot be serialized"
+            ) from None
         stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
-        tracked = _Tracked(
-            request_id, time.time(), prompt, params, delta, cache_salt, lora_request, priority,
-            stream,
-        )  # fmt: skip
+        tracked = _Tracked(request_id, time.time(), params, delta, payload, stream)
         with self._lock:
             self.check_health()
             if request_id in self._tracked:
@@ -269,6 +272,7 @@ class EngineCoreClient:
             if running:
                 self._send(channel.Stop())
             self._fail_all(EngineDeadError("the server is shutting down"))
+        atexit.unregister(self.shutdown)
         self._stop_process(timeout or 0)
         if threading.current_thread() is not self._thread:
             self._thread.join(5)
@@ -293,8 +297,8 @@ class EngineCoreClient:
         resumed = None
         if t.token_ids:
             resumed = ResumedOutput(list(t.token_ids), t.num_text_chars, t.cumulative_logprob)
-        payload = (t.prompt, t.params, t.cache_salt, t.lora_request, t.priority, resumed)
-        t.sent = self._send(channel.Add(t.request_id, t.arrival_time, channel.pack(payload)))
+        resumed = channel.pack(resumed) if resumed is not None else None
+        t.sent = self._send(channel.Add(t.request_id, t.arrival_time, t.payload, resumed))
 
     def _forget(self, request_id: str) -> _Tracked | None:
         """Drop a request that ended or was aborted; a request on probation that ends lets the
@@ -440,8 +444,6 @@ class EngineCoreClient:
 
     def _track(self, t: _Tracked, output: RequestOutput) -> RequestOutput:
         """Note what `output` (a delta) hands out, for a resume; the caller's view of it."""
-        if t.prompt_info is None:
-            t.prompt_info = (output.prompt, output.prompt_token_ids)
         metrics = output.metrics
         if metrics is not None:
             if t.first_times is None and metrics.first_token_time is not None:

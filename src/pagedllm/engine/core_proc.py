@@ -157,7 +157,9 @@ class EngineCore:
                 if self._compiling.pop(request_id, None) is None:
                     engine.abort_request(request_id)
         elif isinstance(message, channel.Add):
-            fields = (message.request_id, message.arrival_time, *channel.unpack(message.payload))
+            resumed = channel.unpack(message.resumed) if message.resumed is not None else None
+            fields = (message.request_id, message.arrival_time,
+                      *channel.unpack(message.payload), resumed)  # fmt: skip
             params = fields[3]
             if isinstance(params, SamplingParams) and params.structured_outputs is not None:
                 work = self._grammar_pool.submit(engine.compile_grammar, params.structured_outputs)

@@ -259,7 +259,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             LLMEngine(args), start_thread=False, max_stream_backlog=ns.max_stream_backlog
         )
     phases = {"imports": imported - STARTED, "engine": time.perf_counter() - imported}
-    run_server(async_engine, config, started=(STARTED, phases))
+    try:
+        run_server(async_engine, config, started=(STARTED, phases))
+    finally:  # also when the app cannot be built (a bad --lora-modules adapter)
+        async_engine.shutdown()
     return 0
 
 
