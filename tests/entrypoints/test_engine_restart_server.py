@@ -9,6 +9,7 @@ docs/reliability.md."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -72,8 +73,25 @@ async def stream_all(url: str, progress: list[int]) -> list[tuple[str, int, str 
         return await asyncio.gather(*(one(http, i) for i in range(NUM_REQUESTS)))
 
 
-def test_sigkill_during_256_streams_loses_nothing(args):
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("victim", ["engine", "tp_worker"])
+def test_sigkill_during_256_streams_loses_nothing(args, victim):
+    """`tp_worker`: --tensor-parallel-size 2, and rank 1 (a child of the engine process) is the
+    one killed: its engine process fails with it and both are replaced."""
     expected = undisturbed(args)
+    if victim == "tp_worker":
+        args = dataclasses.replace(args, tensor_parallel_size=2)
     client = EngineCoreClient(args, max_restarts=NUM_KILLS + 2)
     rng = random.Random(0)
     progress, kills, health_seen = [0], [], set()
@@ -88,7 +106,11 @@ def test_sigkill_during_256_streams_loses_nothing(args):
                 while points and not done.is_set():
                     if progress[0] >= points[0] and client.is_running and not client.is_restarting:
                         points.pop(0)
-                        os.kill(client.pid, signal.SIGKILL)
+                        if victim == "engine":
+                            os.kill(client.pid, signal.SIGKILL)
+                        else:
+                            (worker,) = children(client.pid)
+                            os.kill(worker, signal.SIGKILL)
                         kills.append(time.monotonic())
                         # /health until the replacement serves: 503 meanwhile, then 200
                         deadline, down = time.monotonic() + 30, False
@@ -116,8 +138,9 @@ def test_sigkill_during_256_streams_loses_nothing(args):
         assert 503 in health_seen and 200 in health_seen
         assert snapshot["integrity"]["ok"] and snapshot["pool"]["counts"]["used"] == 0
         assert f'pagedllm:engine_restarts_total{{model_name="m"}} {NUM_KILLS}.0' in metrics
-        assert len(engine_processes()) == 1
-        print(f"\n{NUM_REQUESTS} streams at concurrency {CONCURRENCY}, {NUM_KILLS} SIGKILLs, "
+        assert len(engine_processes()) == (1 if victim == "engine" else 2)
+        print(f"\n{NUM_REQUESTS} streams at concurrency {CONCURRENCY}, {NUM_KILLS} SIGKILLs "
+              f"of the {victim}, "
               f"all equal to the undisturbed run, {elapsed:.1f} s")  # fmt: skip
     finally:
         client.shutdown()
