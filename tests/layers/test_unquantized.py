@@ -58,6 +58,68 @@ def test_packed_gemms_run_at_few_row_counts():
     assert padded == sorted(padded)
 
 
+def test_the_fused_decoder_pads_rows_as_the_layers_do():
+    from pagedllm import kernels
+
+    if not kernels.available():
+        pytest.skip("the C++ kernels are not available")
+    padded = kernels.cpu_ops().padded_rows
+    assert all(padded(r) == unquantized.padded_rows(r) for r in range(1, 9000))
+
+
+@needs_onednn
+def test_warming_runs_each_distinct_packed_shape_at_each_row_count():
+    from pagedllm.layers.linear import warm_packed_products
+
+    def linear(i, o, bias=False):
+        return _processed(ColumnParallelLinear(i, o, bias, torch.bfloat16, PACKED))
+
+    head = _processed(ParallelLMHead(50, 32, torch.bfloat16, PACKED))
+    model = torch.nn.ModuleList([linear(32, 48), linear(32, 48), linear(48, 32), head])
+    model.append(linear(32, 48, bias=True))  # a bias is another primitive
+    model.append(ColumnParallelLinear(32, 48, False, torch.bfloat16))  # not packed: not run
+    counts = len({unquantized.padded_rows(r) for r in range(1, 101)})
+    head_counts = len({unquantized.padded_rows(r) for r in range(1, 21)})
+    assert warm_packed_products(model, 100, head, 20) == 3 * counts + head_counts
+    # The head's shape met again in a body layer is run to the body's limit.
+    model.append(linear(32, 50))
+    assert warm_packed_products(model, 100, head, 20) == 4 * counts
+
+
+ENGINE_SHAPES = """
+import sys
+from pagedllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", deterministic=False, kv_cache_memory="16MiB",
+          max_model_len=256, max_num_batched_tokens=256)
+print("SERVING", flush=True)
+prompts = [{"prompt_token_ids": list(range(3, 3 + 5 + 5 * i))} for i in range(30)]
+params = [SamplingParams(max_tokens=1 + 3 * i, ignore_eos=True) for i in range(30)]
+llm.generate(prompts, params)
+"""
+
+
+@needs_onednn
+def test_an_engine_makes_no_onednn_primitive_while_serving(tmp_path):
+    """oneDNN's creation log (ONEDNN_VERBOSE) is empty of product shapes from the first step
+    on: prefill chunks, decode batches of every size from 30 down to 1 (the fused decoder's)
+    and the LM head all run at shapes the worker made at start."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import save_tiny_llama
+
+    save_tiny_llama(tmp_path, vocab_size=512, max_position_embeddings=256)
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    run = subprocess.run([sys.executable, "-c", ENGINE_SHAPES, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, serving, after = run.stdout.partition("SERVING")
+    assert serving and before.count("create:cache_miss") >= 4 * 30
+    made = [line for line in after.splitlines() if "create:cache_miss" in line]
+    assert made == []
+
+
 @needs_onednn
 def test_a_tied_head_gets_a_packed_copy():
     embed = VocabParallelEmbedding(50, 32, torch.bfloat16)

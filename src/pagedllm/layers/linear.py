@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.distributed import HeadShard, all_reduce, tp_group
 from pagedllm.distributed.parallel import split
 from pagedllm.layers.quantization import QuantizationConfig, QuantWeight
+from pagedllm.layers.quantization.unquantized import padded_rows
 from pagedllm.layers.weight_utils import check_shape, narrow
 
 Loaded = torch.Tensor | QuantWeight
@@ -76,8 +77,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int | None = None):
         raise NotImplementedError
 
+    @property
+    def forward_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (RowParallelLinear: rank 0 only)."""
+        return self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.forward_bias)
         if self.lora is not None:
             self.lora.apply(y, x)
         return y
@@ -221,9 +227,37 @@ class RowParallelLinear(LinearBase):
         part = narrow(loaded, 1, self.input_start, self.input_size_per_partition)
         self.quant_method.load_weight(self, part, 0)
 
+    @property
+    def forward_bias(self) -> torch.Tensor | None:
+        return self.bias if tp_group().rank == 0 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if tp_group().rank == 0 else None
-        y = self.quant_method.apply(self, x, bias)
+        y = self.quant_method.apply(self, x, self.forward_bias)
         if self.lora is not None:  # this rank's input columns: a partial sum, reduced with y's
             self.lora.apply(y, x)
         return all_reduce(y) if self.reduce_results else y
+
+
+@torch.inference_mode()
+def warm_packed_products(
+    model: nn.Module, max_rows: int, head: nn.Module | None = None, max_head_rows: int = 0
+) -> int:
+    """Runs each distinct oneDNN-packed product of `model` (bfloat16 on CPU) once at every row
+    count it runs at (unquantized.padded_rows) up to max_rows, `head`'s up to max_head_rows.
+    oneDNN makes a primitive per shape on its first use (about half a MiB of JIT code and state)
+    and keeps it: made here, before serving, they are not memory growth under load
+    (docs/reliability.md). Returns the number of (weight shape, row count) pairs run."""
+    done: set[tuple] = set()
+    for layer in model.modules():
+        packed = getattr(layer, "packed_weight", None)
+        if packed is None or not isinstance(layer, LinearBase):
+            continue
+        bias = layer.forward_bias
+        key = (tuple(packed.shape), packed.dtype, None if bias is None else bias.dtype)
+        limit = max_head_rows if layer is head else max_rows
+        for rows in sorted({padded_rows(r) for r in range(1, limit + 1)}):
+            if (key, rows) not in done:
+                done.add((key, rows))
+                x = torch.zeros(rows, layer.input_size_per_partition, dtype=packed.dtype)
+                layer.quant_method.apply(layer, x, bias)
+    return len(done)

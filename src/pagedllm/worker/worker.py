@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 
@@ -17,6 +18,7 @@ from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.cpu_info import available_cpus
 from pagedllm.distributed import step_channel
+from pagedllm.layers.linear import warm_packed_products
 from pagedllm.model_loader.build import build_model
 from pagedllm.model_loader.loader import load_draft_model_config
 from pagedllm.spec_decode import Proposer, make_proposer
@@ -132,7 +134,22 @@ class Worker:
             attention_backend=self.attention_backend, proposer=self._proposer(cache, cache_dtype),
             lora=self.lora,
         )  # fmt: skip
+        self._warm_packed_products(scheduler)
         return True
+
+    def _warm_packed_products(self, scheduler: SchedulerConfig) -> None:
+        """oneDNN's primitives for every step size this pool's steps can have (bfloat16 on CPU):
+        made now, not as new sizes come under load (layers/linear.py)."""
+        spec = self.config.speculative
+        logits_rows = scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        start, n = time.perf_counter(), 0
+        for model in (self.model, self.draft_model):
+            if model is not None:
+                head = getattr(model, "lm_head", None)
+                n += warm_packed_products(model, scheduler.max_num_batched_tokens, head, logits_rows)
+        if n:
+            logger.info("packed products: %d shapes made ready in %.1f s", n,
+                        time.perf_counter() - start)  # fmt: skip
 
     def _proposer(self, cache: CacheConfig, cache_dtype: torch.dtype) -> Proposer | None:
         """Speculative decoding's proposer (rank 0 proposes, every rank verifies)."""

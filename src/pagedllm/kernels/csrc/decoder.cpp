@@ -8,6 +8,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -19,11 +20,25 @@
 namespace pagedllm {
 namespace {
 
+// The row count a packed product runs at: unquantized.padded_rows's rule (exact up to 16, then
+// 8 counts per doubling), so that oneDNN creates a primitive for a few shapes only.
+int64_t padded_rows(int64_t rows) {
+  int64_t bits = 0;
+  while ((rows >> bits) != 0) ++bits;
+  const int64_t step = int64_t{1} << std::max<int64_t>(0, bits - 4);
+  return (rows + step - 1) / step * step;
+}
+
 // oneDNN's product with a weight prepacked by mkldnn._reorder_linear_weight
 // (layers/quantization/unquantized.py), through the dispatcher as
-// torch.ops.mkldnn._linear_pointwise.
+// torch.ops.mkldnn._linear_pointwise, at padded_rows rows as there.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), bucket = padded_rows(rows);
+  if (bucket != rows) {
+    const at::Tensor padded = at::constant_pad_nd(x, {0, 0, 0, bucket - rows});
+    return packed_linear(padded, packed_weight, bias).narrow(0, 0, rows);
+  }
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -164,6 +179,7 @@ void register_decoder(pybind11::module& m) {
   using pagedllm::Linear;
   using pagedllm::LlamaDecoder;
   using Bias = std::optional<at::Tensor>;
+  m.def("padded_rows", &pagedllm::padded_rows, "the row count a packed product runs at");
   py::class_<Linear>(m, "Linear", "one projection of the fused decoder, as its Python layer")
       .def_static("dense", [](at::Tensor w, Bias b) { return Linear{Linear::kDense, {w}, b}; })
       .def_static("packed", [](at::Tensor w, Bias b) { return Linear{Linear::kPacked, {w}, b}; })
