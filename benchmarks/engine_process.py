@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pagedllm.bench.serve import run_benchmark
 from pagedllm.bench.utils import free_port, others_cpu_share
 from pagedllm.bench.workload import workload_from_tokenizer
 from pagedllm.model_loader.loader import load_tokenizer, resolve_model
+from pagedllm.procs import child_pids
 
 MODES = {"process": [], "in-process": ["--no-engine-process"]}
 
@@ -32,7 +32,7 @@ def measure(mode: str, ns, requests_by_concurrency, log_dir: Path) -> dict[int, 
     results = {}
     with server_process(argv, url, log_dir / f"{mode}.log") as proc:
         model = _served_model(url)
-        engine = children(proc.pid)  # the engine process (the server itself is our child)
+        engine = child_pids(proc.pid)  # the engine process (the server itself is our child)
         for concurrency, requests in requests_by_concurrency.items():
             before = counters_with(engine)
             summary = asyncio.run(run_benchmark(url, requests, model, float("inf"), concurrency))
@@ -41,18 +41,6 @@ def measure(mode: str, ns, requests_by_concurrency, log_dir: Path) -> dict[int, 
             assert summary["failed"] == 0, summary["errors"]
             results[concurrency] = summary
     return results
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
-"""Child processes that must not outlive their parent: the engine process (when the API server
-dies, however it dies) and the tensor-parallel workers (when the engine process dies)."""
+"""Child processes: those that must not outlive their parent (the engine process when the API
+server dies, however it dies; the tensor-parallel workers when the engine process dies), and
+finding a process's children (the tests and benchmarks that kill them)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,16 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; zombies included)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return found

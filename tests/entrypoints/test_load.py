@@ -26,6 +26,7 @@ from pagedllm import EngineArgs
 from pagedllm.bench.utils import free_port
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.procs import child_pids
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
 
 MODEL = "tiny"
@@ -338,19 +339,6 @@ def test_memory_pressure_mixed_n_best_of_beam_and_long_prompts(tiny_gguf):
           f"{preemptions} preemptions, all completed")  # fmt: skip
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
 def test_sigterm_with_48_streams_open(tiny_gguf):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -406,7 +394,7 @@ def test_sigterm_with_48_streams_open(tiny_gguf):
 
             limits = httpx.Limits(max_connections=num)
             async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as http:
-                children = _children(proc.pid)
+                children = child_pids(proc.pid)
                 sent_at, *streams = await asyncio.gather(
                     terminate(), *(stream(http, i) for i in range(num))
                 )

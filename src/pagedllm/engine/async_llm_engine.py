@@ -92,6 +92,10 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+        try:  # a lost worker can leave the loop waiting in a collective, still "running"
+            self.engine.check_workers()
+        except RuntimeError as e:
+            raise EngineDeadError(str(e)) from None
 
     async def generate(
         self,

@@ -11,6 +11,10 @@ from typing import Any
 
 import msgspec
 
+# The engine process's exit status when it lost a tensor-parallel worker (not its requests'
+# fault: they are resumed without blame).
+WORKER_LOST_EXIT_CODE = 70
+
 # -- server -> engine -----------------------------------------------------------------------
 
 

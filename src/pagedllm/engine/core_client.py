@@ -18,7 +18,8 @@ engine fails while it runs so, it is failed with a clear error and not retried, 
 others go on. More than `max_restarts` restarts within RESTART_WINDOW seconds: the engine is
 declared dead, as an in-process one whose loop died.
 
-The engine always streams deltas; callers that asked for whole outputs get them assembled here.
+The engine always streams deltas; callers that asked for whole outputs get them assembled by
+their TrackedRequest (engine/tracked_request.py), which also keeps what a resume needs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -37,7 +37,6 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
@@ -50,8 +49,9 @@ from pagedllm.engine.streams import (
     RequestFailedError,
     RequestStream,
 )
+from pagedllm.engine.tracked_request import TrackedRequest
 from pagedllm.model_loader.loader import load_model_tokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput, ResumedOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -66,35 +66,6 @@ POISON_FAULTS = 2  # blamed failures a request was in flight for before its prob
 # Counters that are gauges (they start over with a new process); the others are summed over
 # the processes.
 _GAUGES = {"num_running", "num_waiting", "num_swapped", "kv_cache_usage", "swap_space_usage"}
-
-
-@dataclass
-class _Tracked:
-    """A request in flight, as this side knows it: enough to resubmit it."""
-
-    request_id: str
-    arrival_time: float
-    params: SamplingParams | PoolingParams
-    delta: bool
-    payload: bytes  # the Add message's: prompt, params, cache_salt, lora_request, priority
-    stream: RequestStream
-    sent: bool = False  # added to the current engine process
-    num_faults: int = 0  # engine failures blamed on requests it was in flight for
-    probation: bool = False  # runs only alone among requests on probation
-    # What was handed out (a single-sequence request resumes from it).
-    token_ids: list[int] = field(default_factory=list)
-    num_text_chars: int = 0
-    cumulative_logprob: float = 0.0
-    handed_out: bool = False
-    first_times: tuple | None = None  # (first_scheduled_time, first_token_time)
-    completions: dict[int, CompletionOutput] = field(default_factory=dict)  # whole outputs
-
-    @property
-    def resumable(self) -> bool:
-        params = self.params
-        if isinstance(params, PoolingParams):
-            return True  # nothing handed out before its one output
-        return params.num_sequences == 1 and not params.use_beam_search
 
 
 class EngineInfo:
@@ -163,7 +134,7 @@ class EngineCoreClient:
         self._context = zmq.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="pagedllm-")
         self._lock = threading.RLock()  # the request table, the input socket, the state
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._stats: dict = {}
@@ -227,7 +198,7 @@ class EngineCoreClient:
                 "(Python's recursion limit) or holds what cannot be serialized"
             ) from None
         stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
-        tracked = _Tracked(request_id, time.time(), params, delta, payload, stream)
+        tracked = TrackedRequest(request_id, time.time(), params, delta, payload, stream)
         with self._lock:
             self.check_health()
             if request_id in self._tracked:
@@ -293,14 +264,12 @@ class EngineCoreClient:
                     return False
                 time.sleep(0.001)  # a process that just started: its connection is under way
 
-    def _send_add(self, t: _Tracked) -> None:
-        resumed = None
-        if t.token_ids:
-            resumed = ResumedOutput(list(t.token_ids), t.num_text_chars, t.cumulative_logprob)
+    def _send_add(self, t: TrackedRequest) -> None:
+        resumed = t.resumed_output()
         resumed = channel.pack(resumed) if resumed is not None else None
         t.sent = self._send(channel.Add(t.request_id, t.arrival_time, t.payload, resumed))
 
-    def _forget(self, request_id: str) -> _Tracked | None:
+    def _forget(self, request_id: str) -> TrackedRequest | None:
         """Drop a request that ended or was aborted; a request on probation that ends lets the
         next one run."""
         t = self._tracked.pop(request_id, None)
@@ -437,47 +406,7 @@ class EngineCoreClient:
         if getattr(output, "error", None) is not None:
             t.stream.put(RequestFailedError(output.error))
             return
-        if isinstance(output, RequestOutput):
-            output = self._track(t, output)
-        t.handed_out = True
-        t.stream.put(output)
-
-    def _track(self, t: _Tracked, output: RequestOutput) -> RequestOutput:
-        """Note what `output` (a delta) hands out, for a resume; the caller's view of it."""
-        metrics = output.metrics
-        if metrics is not None:
-            if t.first_times is None and metrics.first_token_time is not None:
-                t.first_times = (metrics.first_scheduled_time, metrics.first_token_time)
-            elif t.first_times is not None:  # a resumed request: its first times were before
-                metrics.first_scheduled_time, metrics.first_token_time = t.first_times
-        if t.resumable and output.outputs:
-            (c,) = output.outputs
-            t.token_ids += c.token_ids
-            t.num_text_chars += len(c.text)
-            if c.cumulative_logprob is not None:
-                t.cumulative_logprob = c.cumulative_logprob
-        if t.delta:
-            return output
-        for c in output.outputs:
-            whole = t.completions.get(c.index)
-            if whole is None:
-                t.completions[c.index] = dataclasses.replace(
-                    c, token_ids=list(c.token_ids),
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                )  # fmt: skip
-                continue
-            whole.text += c.text
-            whole.token_ids += c.token_ids
-            if c.logprobs is not None:
-                whole.logprobs = (whole.logprobs or []) + c.logprobs
-            whole.cumulative_logprob = c.cumulative_logprob
-            whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
-        output.outputs = [
-            dataclasses.replace(c, token_ids=list(c.token_ids),
-                                logprobs=list(c.logprobs) if c.logprobs is not None else None)
-            for _, c in sorted(t.completions.items())
-        ]  # fmt: skip
-        return output
+        t.stream.put(t.hand_out(output))
 
     def _failure(self) -> tuple[str, bool] | None:
         """Why the engine process must be replaced (and whether to blame its requests)."""
@@ -486,6 +415,8 @@ class EngineCoreClient:
             return f"the engine failed: {self._fatal.message}", self._fatal.blame
         if not proc.is_alive():
             code = proc.exitcode
+            if code == channel.WORKER_LOST_EXIT_CODE:
+                return "the engine process lost a tensor-parallel worker", False
             external = code in (-signal.SIGKILL, -signal.SIGTERM)  # an operator, the OOM killer
             return f"the engine process exited (code {code})", not external
         in_flight = any(t.sent for t in self._tracked.values()) or bool(self._calls)
@@ -561,7 +492,7 @@ class EngineCoreClient:
                 continue
             t.sent = False
             if not t.resumable:
-                t.completions.clear()
+                t.start_over()
 
     def _carry_stats(self) -> None:
         for key, value in self._stats.items():

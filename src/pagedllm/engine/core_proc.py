@@ -7,7 +7,8 @@ output constraint, if any, has compiled on a compile thread), aborts, calls (a K
 checking a LoRA adapter). After every step it sends the step's outputs (as deltas) and the
 engine's counters; idle, it sends the counters every HEARTBEAT seconds, so the server can tell
 a hung step (no message while requests are in flight) from an idle engine. If the loop raises,
-it sends a Fatal message and exits; the server starts another process."""
+it sends a Fatal message and exits; the server starts another process. With tensor-parallel
+workers, a thread exits the process when one of them is gone (`_watch_workers`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 HEARTBEAT = 1.0  # seconds between two messages of an idle engine
+WORKER_WATCH_PERIOD = 0.5  # seconds between two looks at the tensor-parallel workers
 GRAMMAR_COMPILE_THREADS = 2
 
 
@@ -76,18 +79,35 @@ def run_engine_core(
     core = EngineCore(engine, inputs, outputs, grammar_compile_timeout, faults)
     stats = channel.pack((engine.get_stats(), engine.lora_stats()))
     outputs.send(channel.encode(channel.Ready(os.getpid(), stats)))
+    stopping = threading.Event()
+    if engine.config.parallel.tensor_parallel_size > 1:
+        threading.Thread(target=_watch_workers, args=(engine.executor, stopping),
+                         name="pagedllm-worker-watch", daemon=True).start()  # fmt: skip
     try:
         core.run()
     except BaseException as e:
         logger.exception("the engine process failed")
-        blame = engine.executor.dead() is None  # a lost worker is not the requests' fault
+        # A lost worker is not the requests' fault (it may be seen first as a failed collective).
+        blame = engine.executor.dead(wait=2.0) is None
         outputs.send(channel.encode(channel.Fatal(repr(e), blame)))
         outputs.close(linger=2000)
         sys.exit(1)
     finally:
+        stopping.set()  # the workers exit now, as told
         engine.shutdown()
     outputs.close(linger=2000)
     inputs.close(linger=0)
+
+
+def _watch_workers(executor, stopping: threading.Event) -> None:
+    """A collective with a dead worker does not always fail (gloo can leave rank 0 waiting in a
+    gather for good, seen in tests/entrypoints/test_engine_restart_server.py), so a lost worker
+    ends the process from this thread; the server replaces it and its whole group."""
+    while not stopping.wait(WORKER_WATCH_PERIOD):
+        why = executor.dead()
+        if why is not None and not stopping.is_set():
+            logger.error("%s: the engine process exits", why)
+            os._exit(channel.WORKER_LOST_EXIT_CODE)
 
 
 class EngineCore:

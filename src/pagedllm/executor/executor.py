@@ -26,8 +26,9 @@ class Executor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
 
-    def dead(self) -> str | None:
-        """Why the group is broken (a rank exited), or None."""
+    def dead(self, wait: float = 0.0) -> str | None:
+        """Why the group is broken (a rank exited), or None; waiting up to `wait` seconds for a
+        rank that is exiting to be gone."""
         return None
 
     def check_health(self) -> None:

@@ -14,6 +14,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -131,12 +132,17 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_worker.execute_model(scheduler_output, step_channel.send_step)
 
-    def dead(self) -> str | None:
-        """Why the group is broken (a worker exited), or None."""
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                return f"tensor-parallel worker rank {rank} exited (code {p.exitcode})"
-        return None
+    def dead(self, wait: float = 0.0) -> str | None:
+        """Why the group is broken (a worker exited), or None. A collective fails as soon as a
+        killed peer's sockets close, a moment before that peer can be reaped: `wait` covers it."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    return f"tensor-parallel worker rank {rank} exited (code {p.exitcode})"
+            if not self.procs or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the workers to stop, wait for them, kill what is left: no process stays behind."""
