@@ -142,11 +142,11 @@ class Worker:
         made now, not as new sizes come under load (layers/linear.py)."""
         spec = self.config.speculative
         logits_rows = scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        start, n = time.perf_counter(), 0
+        start, n, max_rows = time.perf_counter(), 0, scheduler.max_num_batched_tokens
         for model in (self.model, self.draft_model):
             if model is not None:
-                head = getattr(model, "lm_head", None)
-                n += warm_packed_products(model, scheduler.max_num_batched_tokens, head, logits_rows)
+                n += warm_packed_products(model, max_rows, getattr(model, "lm_head", None),
+                                          logits_rows)  # fmt: skip
         if n:
             logger.info("packed products: %d shapes made ready in %.1f s", n,
                         time.perf_counter() - start)  # fmt: skip
