@@ -104,6 +104,7 @@ def test_every_engine_flag_round_trips():
         allow_pickle_checkpoints=True, enforce_eager=True, tensor_parallel_size=2,
         kv_allocation="pow2", deterministic=False,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+        kv_events_config='{"enable_kv_cache_events": true}',
         enable_lora=True, max_loras=3, max_lora_rank=64, max_cpu_loras=8,
         scheduling_policy="priority", runner="pooling", pooling_type="MEAN",
     )  # fmt: skip

@@ -10,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -180,6 +181,12 @@ class EngineArgs:
         'speculative decoding, as JSON: {"method": "ngram" | "suffix" | "draft_model", '
         '"num_speculative_tokens": k, ...} (docs/speculative_decoding.md)',
     )
+    # JSON text on the command line, a dict from LLM(...) (config/kv_events.py)
+    kv_events_config: str | dict | None = _flag(
+        None,
+        "publish the prefix cache's changes for KV-aware routers, as JSON: "
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...} (docs/distributed.md)',
+    )
     # Multi-LoRA (docs/lora.md): adapters in slots beside the base weights
     enable_lora: bool = _flag(
         False, "serve LoRA adapters (PEFT directories, GGUF LoRA files)", action="store_true"
@@ -243,6 +250,7 @@ class EngineArgs:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
         parse_bytes(self.kv_cache_memory)
         SpeculativeConfig.parse(self.speculative_config)
+        KVEventsConfig.parse(self.kv_events_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_loras < 1 or self.max_lora_rank < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.config.engine_args import EngineArgs, parse_bytes
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.model_arch import ModelArchConfig
 from pagedllm.config.speculative import SpeculativeConfig
 
@@ -95,6 +96,7 @@ class EngineConfig:
     load: LoadConfig
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None
+    kv_events: KVEventsConfig | None = None  # --kv-events-config, when enabled
 
     @classmethod
     def resolve(
@@ -175,6 +177,7 @@ class EngineConfig:
             load=LoadConfig(args.allow_pickle_checkpoints),
             speculative=_speculative(args),
             lora=_lora(args),
+            kv_events=KVEventsConfig.parse(args.kv_events_config),
         )
 
 

@@ -17,8 +17,9 @@ and fields, and values out of range, are errors that name the flag."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from pagedllm.config.json_flag import json_object
 
 FLAG = "--speculative-config"
 METHODS = ("ngram", "suffix", "draft_model")
@@ -43,20 +44,9 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
         """The config from the flag's JSON text or a dict; None when not given."""
-        if value is None or value == "":
+        value = json_object(value, FLAG, cls)
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{FLAG} is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{FLAG} must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"{FLAG}: unknown field(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")  # fmt: skip
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"{FLAG}: method must be one of {', '.join(METHODS)}, got {method!r}")

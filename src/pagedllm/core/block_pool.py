@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedllm.core.kv_events import KVEventLog
+
 BlockHash = bytes
 
 
@@ -46,6 +48,7 @@ class BlockPool:
         self._blocks: list[KVCacheBlock] = []  # blocks 0 .. len - 1; the rest never used
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()  # made blocks only
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.events: KVEventLog | None = None  # what the prefix cache did (--kv-events-config)
 
     @property
     def blocks(self) -> list[KVCacheBlock]:
@@ -107,22 +110,26 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Enter a full, in-use block in the map. If another block already holds the same tokens
-        (two requests computed the same prefix before either was cached) the first one stays the
-        cached copy and this one remains an ordinary, unhashed block."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Enter a full, in-use block in the map; True if it was not there. If another block
+        already holds the same tokens (two requests computed the same prefix before either was
+        cached) the first one stays the cached copy and this one remains an ordinary, unhashed
+        block."""
         assert block.ref_cnt > 0, f"caching free block {block.block_id}"
         if block.block_hash is not None:
             assert block.block_hash == block_hash, "a cached block's contents changed"
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -132,6 +139,8 @@ class BlockPool:
         for block in self._blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     @property

@@ -33,6 +33,7 @@ import itertools
 from pagedllm.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_interface import Allocation, BlockPair
+from pagedllm.core.kv_events import KVEventLog
 from pagedllm.request import Request
 
 
@@ -258,6 +259,9 @@ class ContiguousKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return True
+
+    def record_events(self, medium: str) -> KVEventLog:
+        raise ValueError("--kv-events-config needs --kv-allocation paged (a prefix cache)")
 
     def get_block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(seq_id, ())]

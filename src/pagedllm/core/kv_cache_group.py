@@ -200,10 +200,31 @@ class KVCacheGroup:
         if num_full_blocks <= start:
             return
         hashes = update_block_hashes(request, self.block_size)
-        for i in range(start, num_full_blocks):
-            if blocks[i] is not NULL_BLOCK:
-                self.block_pool.cache_block(blocks[i], self._key(hashes[i]))
+        new = [i for i in range(start, num_full_blocks)
+               if blocks[i] is not NULL_BLOCK
+               and self.block_pool.cache_block(blocks[i], self._key(hashes[i]))]  # fmt: skip
         self.num_cached_blocks[req_id] = num_full_blocks
+        if new and self.block_pool.events is not None:
+            self._record_stored(request, hashes, new)
+
+    def _record_stored(self, request: Request, hashes: list, new: list[int]) -> None:
+        """A BlockStored event for each run of consecutive blocks newly entered in the cache."""
+        bs, lora = self.block_size, request.lora_request
+        runs: list[list[int]] = []
+        for i in new:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.block_pool.events.stored(
+                [self._key(h) for h in hashes[first:end]],
+                self._key(hashes[first - 1]) if first else None,
+                list(request.all_token_ids[first * bs : end * bs]),
+                bs,
+                lora.lora_int_id if lora is not None else None,
+            )
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the blocks past the first `num_tokens` positions (slots of rejected draft

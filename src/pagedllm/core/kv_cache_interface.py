@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from pagedllm.core.block_pool import KVCacheBlock
+from pagedllm.core.kv_events import KVEventLog
 from pagedllm.request import Request
 
 # (source block id, destination block id): a copy-on-write copy, or a swap between the device
@@ -141,6 +142,10 @@ class KVCacheInterface(Protocol):
 
     # -- whole cache ----------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool: ...
+
+    def record_events(self, medium: str) -> KVEventLog:
+        """Record the prefix cache's changes from now on (--kv-events-config)."""
+        ...
 
     def snapshot(self) -> dict: ...
 

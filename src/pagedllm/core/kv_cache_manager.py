@@ -21,6 +21,7 @@ from pagedllm.core.block_hash import update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group import NULL_BLOCK, KVCacheGroup, live_blocks
 from pagedllm.core.kv_cache_interface import Allocation, BlockPair
+from pagedllm.core.kv_events import KVEventLog
 from pagedllm.request import Request
 
 
@@ -215,6 +216,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def record_events(self, medium: str) -> KVEventLog:
+        """Record what the prefix cache does from now on (core/kv_events.py)."""
+        self.block_pool.events = KVEventLog(medium)
+        return self.block_pool.events
 
     def get_block_ids(self, seq_id: str) -> list[int]:
         """The first group's block table (the only one of a model without sliding windows)."""

@@ -17,6 +17,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.kv_events import KVEventPublisher
 from pagedllm.engine.kv_snapshot import kv_snapshot
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor, create_executor
@@ -103,6 +104,12 @@ class LLMEngine:
                                        spec.sliding_windows)  # fmt: skip
             self.scheduler = Scheduler(config.scheduler, manager)
             self.input_processor = InputProcessor(config, self.tokenizer, spec, num_blocks)
+            self._kv_events = self._kv_event_log = None
+            if config.kv_events is not None:
+                medium = "GPU" if config.device.device == "cuda" else "CPU"
+                self._kv_event_log = manager.record_events(medium)
+                self._kv_events = KVEventPublisher(config.kv_events)
+                self._publish_kv_events()  # AllBlocksCleared: a new engine's cache is empty
         except BaseException:
             self.shutdown()
             raise
@@ -176,7 +183,11 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any. Idempotent; also run at exit."""
+        """Stop the tensor-parallel worker processes, if any, and the KV event publisher.
+        Idempotent; also run at exit."""
+        if getattr(self, "_kv_events", None) is not None:
+            self._kv_events.shutdown()
+            self._kv_events = None
         self.executor.shutdown()
 
     # -- requests -------------------------------------------------------------------------------
@@ -241,7 +252,13 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        done = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.publish(self._kv_event_log.take())
 
     # -- the step loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -266,6 +283,7 @@ class LLMEngine:
             len(ids) for ids in runner_output.sampled_token_ids.values()
         ) + len(runner_output.beam_candidates)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
         return self.output_processor.process(scheduler_output, runner_output, groups)
 
     def _fail_lora(self, error: LoRALoadError) -> list[RequestOutput]:
