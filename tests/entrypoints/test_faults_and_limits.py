@@ -474,7 +474,7 @@ def test_api_key_guards_every_route_but_health(server, metrics_open):
         ]
         paths = {path for _, path in routes}
         assert {"/health", "/metrics", "/v1/models", "/v1/completions", "/version"} <= paths
-        open_paths = {"/health", "/metrics"} if metrics_open else {"/health"}
+        open_paths = {"/health", "/ready", "/metrics"} if metrics_open else {"/health", "/ready"}
         checked = 0
         with httpx.Client(base_url=keyed.url, timeout=TIMEOUT) as http:
             for method, path in routes:

@@ -366,6 +366,7 @@ def test_sigterm_with_48_streams_open(tiny_gguf):
 
         num = 48
         started = 0
+        ready: list = []  # /ready's answers during the drain
 
         async def main():
             everyone_in = asyncio.Event()
@@ -390,7 +391,16 @@ def test_sigterm_with_48_streams_open(tiny_gguf):
             async def terminate():
                 await asyncio.wait_for(everyone_in.wait(), 120)
                 proc.send_signal(signal.SIGTERM)
-                return time.monotonic()
+                sent = time.monotonic()
+                await asyncio.sleep(0.3)  # a router's readiness probe while it drains
+                async with httpx.AsyncClient(timeout=2) as probe:
+                    for _ in range(3):
+                        try:
+                            ready.append((await probe.get(f"{url}/ready")).status_code)
+                        except httpx.HTTPError:
+                            ready.append("refused")
+                        await asyncio.sleep(0.1)
+                return sent
 
             limits = httpx.Limits(max_connections=num)
             async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as http:
@@ -423,6 +433,7 @@ def test_sigterm_with_48_streams_open(tiny_gguf):
             assert last["choices"][0]["finish_reason"] == "length"
             completed += 1
     assert completed + cut == num and cut > 0
+    assert len(ready) == 3 and 200 not in ready  # no new request is routed to a draining server
     # The engine process is gone at exit; multiprocessing's resource tracker follows its
     # parent's exit within moments.
     deadline = time.monotonic() + 5
@@ -430,4 +441,5 @@ def test_sigterm_with_48_streams_open(tiny_gguf):
         time.sleep(0.05)
     assert all(not os.path.exists(f"/proc/{pid}") for pid in children)
     print(f"SIGTERM: {num} streams open, {completed} completed, {cut} ended with a 503 event, "
-          f"exit 0 after {exit_s:.1f} s (grace {grace} s), {len(children)} children")  # fmt: skip
+          f"exit 0 after {exit_s:.1f} s (grace {grace} s), {len(children)} children, /ready "
+          f"during the drain: {ready}")  # fmt: skip

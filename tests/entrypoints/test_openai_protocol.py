@@ -140,8 +140,14 @@ def test_app_errors_metrics_and_api_key(monkeypatch):
     assert 'pagedllm:num_requests_running{model_name="stub"} 2.0' in metrics
     assert 'pagedllm:kv_cache_usage_perc{model_name="stub"} 0.25' in metrics
 
+    # Readiness: /health's answer, and 503 once the server drains
+    assert client.get("/ready").status_code == 200
+    client.app.state.draining = True
+    _error(client.get("/ready"), 503, "shutting down")
+    assert client.get("/health").status_code == 200  # alive while it drains
+
     dead = TestClient(build_app(_stub_engine(alive=False), ServerConfig("stub")))
-    assert dead.get("/health").status_code == 503
+    assert dead.get("/health").status_code == 503 and dead.get("/ready").status_code == 503
     _error(dead.post("/v1/completions", json={"prompt": [1]}), 503, "stopped")
 
     monkeypatch.setenv("PAGEDLLM_API_KEY", "k")
@@ -149,7 +155,7 @@ def test_app_errors_metrics_and_api_key(monkeypatch):
     _error(keyed.get("/v1/models"), 401, "API key")
     _error(keyed.get("/v1/models", headers={"Authorization": "Bearer x"}), 401, "API key")
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
-    assert keyed.get("/health").status_code == 200
+    assert keyed.get("/health").status_code == 200 and keyed.get("/ready").status_code == 200
 
 
 def test_serve_flags(tmp_path):

@@ -109,6 +109,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     responses = OpenAIServingResponses(async_engine, config, metrics, loras)
     embeddings = OpenAIServingEmbedding(async_engine, config, metrics, loras)
     app.state.async_engine = async_engine
+    app.state.draining = False  # set when a graceful shutdown begins (/ready then says 503)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
@@ -135,7 +136,9 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
 
     if api_key:
-        open_paths = {"/health"} if config.metrics_need_api_key else {"/health", "/metrics"}
+        open_paths = {"/health", "/ready"}
+        if not config.metrics_need_api_key:
+            open_paths.add("/metrics")
         # Digests of equal length, compared in constant time: how long a check takes says
         # nothing about the key, not even its length.
         expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
@@ -185,6 +188,14 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if async_engine.is_restarting:
             return JSONResponse(error_body("the engine is restarting", 503), 503)
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness, for load balancers and Kubernetes: /health's answer, and also 503 from
+        the moment the server starts to drain (SIGTERM), so no new request is routed here."""
+        if app.state.draining:
+            return JSONResponse(error_body("the server is shutting down", 503), 503)
+        return await health()
 
     @app.get("/version")
     async def version():
@@ -315,6 +326,8 @@ class _Server(uvicorn.Server):
             logger.info("ready in %.1f s: %s", total, ", ".join(parts))
 
     async def shutdown(self, sockets=None) -> None:
+        self.config.app.state.draining = True
+
         async def stop_engine_later() -> None:
             await asyncio.sleep(self.grace)
             logger.info("stopping the requests still running after %.0f s", self.grace)
