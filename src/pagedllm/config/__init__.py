@@ -24,6 +24,7 @@ from pagedllm.config.engine_config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.model_arch import ModelArchConfig
 from pagedllm.config.speculative import SpeculativeConfig
 
@@ -41,6 +42,7 @@ __all__ = [
     "DeviceConfig",
     "EngineArgs",
     "EngineConfig",
+    "KVEventsConfig",
     "LoRAConfig",
     "LoadConfig",
     "ModelArchConfig",
