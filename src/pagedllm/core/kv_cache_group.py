@@ -221,7 +221,7 @@ class KVCacheGroup:
             self.block_pool.events.stored(
                 [self._key(h) for h in hashes[first:end]],
                 self._key(hashes[first - 1]) if first else None,
-                list(request.all_token_ids[first * bs : end * bs]),
+                request.all_token_ids[first * bs : end * bs],
                 bs,
                 lora.lora_int_id if lora is not None else None,
             )

@@ -40,8 +40,8 @@ from collections.abc import AsyncIterator
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
-from pagedllm.engine.arg_utils import create_engine_config
 from pagedllm.engine.core_proc import Faults, run_engine_core
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,
@@ -50,7 +50,6 @@ from pagedllm.engine.streams import (
     RequestStream,
 )
 from pagedllm.engine.tracked_request import TrackedRequest
-from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -66,40 +65,6 @@ POISON_FAULTS = 2  # blamed failures a request was in flight for before its prob
 # Counters that are gauges (they start over with a new process); the others are summed over
 # the processes.
 _GAUGES = {"num_running", "num_waiting", "num_swapped", "kv_cache_usage", "swap_space_usage"}
-
-
-class EngineInfo:
-    """What the serving layer reads of the engine, on this side of the channel: the resolved
-    config and the tokenizer (the same the engine process resolves and loads), the engine's
-    latest counters, and calls that go to the engine process."""
-
-    def __init__(self, client: EngineCoreClient, args: EngineArgs) -> None:
-        self._client = client
-        self.args = args
-        self.config = create_engine_config(args)
-        self.tokenizer = load_model_tokenizer(args.model, args.tokenizer)
-
-    @property
-    def model_name(self) -> str:
-        return self.config.model.name
-
-    @property
-    def model_config(self):
-        return self.config.model.arch
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.scheduler.max_model_len
-
-    def get_stats(self) -> dict:
-        return self._client.get_stats()
-
-    def lora_stats(self) -> dict | None:
-        return self._client.lora_stats
-
-    def check_lora(self, lora_request) -> None:
-        """ValueError unless the engine can run the adapter (blocks: call it off the loop)."""
-        self._client.call_blocking("check_lora", lora_request)
 
 
 class EngineCoreClient:

@@ -16,6 +16,7 @@ from pagedllm.core.kv_cache_interface import KVCacheInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
+from pagedllm.engine.engine_info import EngineDescription
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_events import KVEventPublisher
 from pagedllm.engine.kv_snapshot import kv_snapshot
@@ -74,7 +75,7 @@ def _resume(request, resumed: ResumedOutput) -> None:
     request.cumulative_logprob = resumed.cumulative_logprob
 
 
-class LLMEngine:
+class LLMEngine(EngineDescription):
     def __init__(
         self,
         args: EngineArgs,
@@ -123,20 +124,7 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self._request_counter = itertools.count()
 
-    # -- what the engine is ---------------------------------------------------------------------
-    @property
-    def model_name(self) -> str:
-        return self.config.model.name
-
-    @property
-    def model_config(self):
-        """The model's architecture (ModelArchConfig)."""
-        return self.config.model.arch
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.scheduler.max_model_len
-
+    # -- what the engine is (and model_name, model_config, max_model_len) ----------------------
     @property
     def eos_token_ids(self) -> list[int]:
         """The model's end-of-sequence ids and the tokenizer's."""
