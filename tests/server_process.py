@@ -13,13 +13,15 @@ from pagedllm.bench.utils import free_port
 
 
 def start_server(
-    flags: list[str], timeout: float, env: dict | None = None
+    flags: list[str], timeout: float, env: dict | None = None, command: list[str] = ()
 ) -> tuple[subprocess.Popen, str, list[str]]:
-    """Start `pagedllm serve --port P *flags`, wait until /health answers 200; returns the
-    process, its URL and its output lines so far (filled in as it prints)."""
+    """Start `pagedllm serve --port P *flags` (after `command`'s words: a wrapper such as
+    taskset), wait until /health answers 200; returns the process, its URL and its output
+    lines so far (filled in as it prints)."""
     port = free_port()
+    cli = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *flags],
+        [*command, *cli, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     lines: list[str] = []

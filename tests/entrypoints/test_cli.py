@@ -107,6 +107,9 @@ def test_every_engine_flag_round_trips():
         kv_events_config='{"enable_kv_cache_events": true}',
         enable_lora=True, max_loras=3, max_lora_rank=64, max_cpu_loras=8,
         scheduling_policy="priority", runner="pooling", pooling_type="MEAN",
+        nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
+        distributed_timeout=60.0, distributed_executor_backend="ray", ray_address="auto",
+        data_parallel_size=2, data_parallel_rank=1, data_parallel_size_local=2,
     )  # fmt: skip
     defaults = EngineArgs()
     changed = {

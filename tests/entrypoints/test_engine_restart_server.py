@@ -126,7 +126,8 @@ def test_sigkill_during_256_streams_loses_nothing(args, victim):
         assert all(r[2] == "length" for r in results)
         assert 503 in health_seen and 200 in health_seen
         assert snapshot["integrity"]["ok"] and snapshot["pool"]["counts"]["used"] == 0
-        assert f'pagedllm:engine_restarts_total{{model_name="m"}} {NUM_KILLS}.0' in metrics
+        restarts = f'pagedllm:engine_restarts_total{{engine="0",model_name="m"}} {NUM_KILLS}.0'
+        assert restarts in metrics
         assert len(engine_processes()) == (1 if victim == "engine" else 2)
         print(f"\n{NUM_REQUESTS} streams at concurrency {CONCURRENCY}, {NUM_KILLS} SIGKILLs "
               f"of the {victim}, "

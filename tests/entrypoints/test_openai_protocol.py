@@ -9,16 +9,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedllm.bench.serve import RequestResult, format_summary, summarize
-from pagedllm.entrypoints.cli import (
-    _chat_template_arg,
-    build_parser,
-    engine_args_from,
-    server_config_from,
-)
+from pagedllm.entrypoints.cli import build_parser, engine_args_from
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import stats_line
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.entrypoints.openai.server_config import ServerConfig, ServerLimits
+from pagedllm.entrypoints.openai.server_config import (
+    ServerConfig,
+    ServerLimits,
+    _chat_template_arg,
+    server_config_from,
+)
 from pagedllm.entrypoints.openai.serving_chat import chat_logprobs
 from pagedllm.entrypoints.openai.serving_completion import completion_logprobs
 from pagedllm.entrypoints.openai.streaming import merge
@@ -101,6 +101,7 @@ def _stub_engine(alive=True):
             "prefix_cache_hits": 0,
         },  # fmt: skip
     )
+    engine.engine_stats = lambda: {"0": engine.get_stats()}
 
     def check_health():
         if not alive:
@@ -137,8 +138,8 @@ def test_app_errors_metrics_and_api_key(monkeypatch):
     assert client.get("/health").status_code == 200
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 64
     metrics = client.get("/metrics").text
-    assert 'pagedllm:num_requests_running{model_name="stub"} 2.0' in metrics
-    assert 'pagedllm:kv_cache_usage_perc{model_name="stub"} 0.25' in metrics
+    assert 'pagedllm:num_requests_running{engine="0",model_name="stub"} 2.0' in metrics
+    assert 'pagedllm:kv_cache_usage_perc{engine="0",model_name="stub"} 0.25' in metrics
 
     # Readiness: /health's answer, and 503 once the server drains
     assert client.get("/ready").status_code == 200

@@ -68,7 +68,7 @@ def test_same_text_streamed_in_fewer_chunks(url, expected, i):
 def test_metrics_count_drafts(url, expected):
     text = httpx.get(f"{url}/metrics").text
 
-    def value(name, labels='model_name="m"'):
+    def value(name, labels='engine="0",model_name="m"'):
         match = re.search(rf"^pagedllm:{name}_total\{{{labels}\}} (\S+)$", text, re.M)
         assert match, f"{name} is missing from /metrics"
         return float(match.group(1))
@@ -76,7 +76,8 @@ def test_metrics_count_drafts(url, expected):
     drafts, drafted = value("spec_decode_num_drafts"), value("spec_decode_num_draft_tokens")
     accepted = value("spec_decode_num_accepted_tokens")
     assert 0 < accepted <= drafted and drafts > 0
-    first = value("spec_decode_num_accepted_tokens_per_pos", 'model_name="m",position="0"')
+    labels = 'engine="0",model_name="m",position="0"'
+    first = value("spec_decode_num_accepted_tokens_per_pos", labels)
     assert 0 < first <= drafts
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
 KV_ALLOCATIONS = ("paged", *CONTIGUOUS_POLICIES)
 # How contiguous regions are placed: binary buddies, or the first free extent that fits.
 KV_ALLOCATORS = ("buddy", "first-fit")
+# Who starts the tensor-parallel ranks: processes spawned here (or by torchrun), or Ray actors.
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def parse_bytes(value: str | int | float | None) -> int | None:
@@ -175,6 +178,56 @@ class EngineArgs:
         "split the model across this many processes (torch.distributed: gloo on CPU, NCCL on CUDA)",
         short="-tp",
     )
+    # Several hosts (docs/distributed.md): each runs the same command with its --node-rank
+    nnodes: int = _flag(1, "hosts the --tensor-parallel-size ranks are spread over (equally)")
+    node_rank: int = _flag(
+        0,
+        "this host's number among --nnodes: 0 runs the engine (and the server); the others "
+        "run their ranks only, and exit when the group ends",
+    )
+    master_addr: str | None = _flag(
+        None,
+        "where the ranks meet: node 0's address, reachable from every host (default: "
+        "MASTER_ADDR, else 127.0.0.1)",
+    )
+    master_port: int | None = _flag(
+        None, "node 0's port for the meeting (default: MASTER_PORT; required with --nnodes > 1)"
+    )
+    distributed_timeout: float = _flag(
+        300.0,
+        "seconds a collective inside a step (an all-reduce, the logits' gather) may wait for "
+        "the other ranks before the step fails: a lost link or host fails the engine instead "
+        "of hanging it (idle ranks wait for the next step without limit)",
+    )
+    distributed_executor_backend: str = _flag(
+        "mp",
+        "who starts ranks 1..N-1 of --tensor-parallel-size: mp (processes spawned here, or "
+        "torchrun's) or ray (Ray actors in a placement group; pip install pagedllm[ray])",
+        choices=EXECUTOR_BACKENDS,
+    )
+    ray_address: str | None = _flag(
+        None,
+        "the Ray cluster to join with --distributed-executor-backend ray (default: RAY_ADDRESS, "
+        "else a running local cluster, else a new one in this process)",
+    )
+    # Replicas of the whole engine behind one server (engine/dp_client.py)
+    data_parallel_size: int = _flag(
+        1,
+        "engine replicas (each its own process and KV cache) behind this server, requests "
+        "spread by load with prefix-cache affinity; with --data-parallel-rank: the size of the "
+        "group this server is one replica of",
+        short="-dp",
+    )
+    data_parallel_rank: int | None = _flag(
+        None,
+        "external load balancing: this server is replica K of --data-parallel-size, alone "
+        "behind its endpoint (a router spreads the load); metrics and KV events say K",
+    )
+    data_parallel_size_local: int | None = _flag(
+        None,
+        "replicas on this host, which share its CPU cores (default: --data-parallel-size "
+        "behind one server, 1 with --data-parallel-rank)",
+    )
     # JSON text on the command line, a dict from LLM(...) (config/speculative.py)
     speculative_config: str | dict | None = _flag(
         None,
@@ -253,6 +306,37 @@ class EngineArgs:
         KVEventsConfig.parse(self.kv_events_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            )
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes:
+                raise ValueError(
+                    f"--nnodes {self.nnodes} must divide --tensor-parallel-size "
+                    f"{self.tensor_parallel_size} (each host runs the same number of ranks)"
+                )
+            if self.master_port is None and "MASTER_PORT" not in os.environ:
+                raise ValueError(
+                    "--nnodes > 1 needs --master-port (or MASTER_PORT): a port on node 0 that "
+                    "every host can reach"
+                )
+        if not self.distributed_timeout > 0:
+            raise ValueError(
+                f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}"
+            )
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        rank = self.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), "
+                f"got {rank}"
+            )
+        if self.data_parallel_size_local is not None and self.data_parallel_size_local < 1:
+            raise ValueError(
+                f"data_parallel_size_local must be >= 1, got {self.data_parallel_size_local}"
+            )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(
                 f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "

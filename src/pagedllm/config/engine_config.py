@@ -73,6 +73,30 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    nnodes: int = 1  # hosts, each with tensor_parallel_size // nnodes ranks
+    node_rank: int = 0
+    master_addr: str | None = None  # where the ranks meet (None: MASTER_ADDR or spawned here)
+    master_port: int | None = None
+    distributed_timeout: float = 300.0  # seconds a collective in a step may wait
+    distributed_executor_backend: str = "mp"  # mp | ray: who starts ranks 1..N-1
+    ray_address: str | None = None
+    data_parallel_size: int = 1  # replicas of the engine (behind this server or a router)
+    data_parallel_rank: int = 0  # this engine's replica number (metrics, KV events)
+    data_parallel_size_local: int = 1  # replicas sharing this host's cores
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def processes_per_node(self) -> int:
+        """Processes of this host that compute: its ranks of every local replica."""
+        return self.ranks_per_node * self.data_parallel_size_local
+
+    def node_ranks(self) -> range:
+        """The ranks this host runs."""
+        per = self.ranks_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
 
 @dataclass(frozen=True)
@@ -172,7 +196,19 @@ class EngineConfig:
                 args.max_loras if args.enable_lora else 0,
                 args.scheduling_policy,
             ),  # fmt: skip
-            parallel=ParallelConfig(args.tensor_parallel_size),
+            parallel=ParallelConfig(
+                args.tensor_parallel_size,
+                args.nnodes,
+                args.node_rank,
+                args.master_addr,
+                args.master_port,
+                args.distributed_timeout,
+                args.distributed_executor_backend,
+                args.ray_address,
+                args.data_parallel_size,
+                args.data_parallel_rank or 0,
+                args.data_parallel_size_local or 1,
+            ),
             device=DeviceConfig(device, args.attention_backend),
             load=LoadConfig(args.allow_pickle_checkpoints),
             speculative=_speculative(args),

@@ -10,6 +10,7 @@ errors that name the flag. engine/kv_events.py publishes; docs/distributed.md ha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pagedllm.config.json_flag import json_object
@@ -38,6 +39,17 @@ class KVEventsConfig:
         config._check()
         return config if config.enable_kv_cache_events else None
 
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """Data-parallel replica `rank`'s sockets: TCP ports offset by the rank (an IPC path
+        suffixed with it), so that replicas of one host do not collide."""
+        if rank == 0:
+            return self
+        return dataclasses.replace(
+            self,
+            endpoint=_offset(self.endpoint, rank),
+            replay_endpoint=self.replay_endpoint and _offset(self.replay_endpoint, rank),
+        )
+
     def _check(self) -> None:
         def need(ok: bool, what: str) -> None:
             if not ok:
@@ -55,3 +67,11 @@ class KVEventsConfig:
             need(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                  f"{name} must be an integer >= 0, got {value!r}")  # fmt: skip
         need(isinstance(self.topic, str), "topic must be a string")
+
+
+def _offset(address: str, rank: int) -> str:
+    scheme, _, rest = address.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        return f"tcp://{host}:{int(port) + rank}"
+    return f"{address}_dp{rank}"

@@ -40,12 +40,13 @@ def tp_group() -> TPGroup:
     return _group
 
 
-_cpu_group = None  # gloo, for host-side control messages when the default group is NCCL
+_cpu_group = None  # gloo, for host-side control messages
 
 
 def cpu_group():
-    """The process group for host tensors (step messages, start-up agreements): the default
-    group under gloo, a gloo group beside NCCL (whose collectives take CUDA tensors only)."""
+    """The process group for host tensors (step messages, start-up agreements): gloo (NCCL's
+    collectives take CUDA tensors only), apart from the model's group, as its operations wait
+    without a time limit (an idle rank waits for the next step however long it takes)."""
     return _cpu_group
 
 

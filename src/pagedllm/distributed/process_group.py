@@ -1,7 +1,7 @@
 """Joining and leaving the tensor-parallel process group: torch.distributed (gloo on CPU, NCCL on
-CUDA) connects the ranks at MASTER_ADDR:MASTER_PORT when those are set (torchrun sets them, with
-RANK and WORLD_SIZE), else at a free port on 127.0.0.1. Who starts the ranks is the executor's
-business (pagedllm.executor)."""
+CUDA) connects the ranks at --master-addr:--master-port or MASTER_ADDR:MASTER_PORT when set
+(torchrun sets them, with RANK and WORLD_SIZE), else at a free port on 127.0.0.1. Who starts the
+ranks is the executor's business (pagedllm.executor)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import socket
 
 import torch.distributed as dist
 
+from pagedllm.config import ParallelConfig
 from pagedllm.distributed.parallel import set_cpu_group, set_tp_group
 
 # A worker waits in a broadcast for rank 0's next step, however long the server stays idle.
@@ -18,9 +19,11 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def address_from_env() -> tuple[str, int]:
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.get("MASTER_PORT")
+def group_address(parallel: ParallelConfig) -> tuple[str, int]:
+    """Where the ranks meet: --master-addr/--master-port, else MASTER_ADDR/MASTER_PORT, else
+    127.0.0.1 and a free port (one host: rank 0 spawns the others and tells them)."""
+    addr = parallel.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = parallel.master_port or os.environ.get("MASTER_PORT")
     if port is None:
         with socket.socket() as s:
             s.bind((addr, 0))
@@ -36,20 +39,28 @@ def launched_rank() -> int | None:
     return None
 
 
-def init_process_group(rank: int, size: int, address: tuple[str, int] | None, device) -> None:
+def init_process_group(
+    rank: int, parallel: ParallelConfig, address: tuple[str, int] | None, device
+) -> None:
     """Join the group as `rank` (every rank calls this; it returns once all have): at
-    `address`, or where the launcher's environment says (None). Connecting to an address waits
-    CONNECT_TIMEOUT; the collectives after it wait as long as rank 0 stays idle."""
+    `address`, or where the launcher's environment says (None). Connecting waits
+    CONNECT_TIMEOUT. The model's collectives run on the default group, whose operations fail
+    after --distributed-timeout (a lost peer fails the step); the step messages and start-up
+    agreements on a gloo group of their own (cpu_group), which waits as long as rank 0 stays
+    idle."""
+    size = parallel.tensor_parallel_size
     backend = "nccl" if device.type == "cuda" else "gloo"
     host, port = address or (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
     try:
         if address is None:  # torchrun's rendezvous (its agent's store)
-            dist.init_process_group(backend, init_method="env://", timeout=IDLE_TIMEOUT)
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
             store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=CONNECT_TIMEOUT)
             dist.init_process_group(
-                backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT
+                backend, store=store, rank=rank, world_size=size, timeout=timeout
             )
+        set_cpu_group(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     except Exception as e:  # noqa: BLE001 - name what to check, keep torch's message
         raise RuntimeError(
             f"tensor parallelism: torch.distributed ({backend}) could not connect rank {rank} of "
@@ -57,8 +68,6 @@ def init_process_group(rank: int, size: int, address: tuple[str, int] | None, de
             "a free port every rank can reach; unset: 127.0.0.1 and a free port) and that "
             f"the {backend} backend works here"
         ) from e
-    if backend == "nccl":  # the step messages are host tensors: a gloo group beside NCCL
-        set_cpu_group(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     set_tp_group(rank, size)
 
 

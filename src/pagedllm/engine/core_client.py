@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_proc import Faults, run_engine_core
+from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.streams import (
@@ -170,7 +171,7 @@ class EngineCoreClient:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._tracked[request_id] = tracked
             if self._state == "running":
-                self._send_add(tracked)
+                self._sendadd_counter(tracked)
         try:
             async for output in stream.outputs():
                 yield output
@@ -194,9 +195,13 @@ class EngineCoreClient:
         """The engine's latest counters; totals summed over every engine process so far."""
         stats = dict(self._stats)
         for key, base in self._carried.items():
-            stats[key] = _add(base, stats.get(key))
+            stats[key] = add_counter(base, stats.get(key))
         stats["num_engine_restarts_total"] = self.num_restarts
         return stats
+
+    def engine_stats(self) -> dict[str, dict]:
+        """The counters by data-parallel rank (this engine's alone)."""
+        return {str(self.engine.config.parallel.data_parallel_rank): self.get_stats()}
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort what is in flight and stop the engine process (and this side's thread)."""
@@ -229,7 +234,7 @@ class EngineCoreClient:
                     return False
                 time.sleep(0.001)  # a process that just started: its connection is under way
 
-    def _send_add(self, t: TrackedRequest) -> None:
+    def _sendadd_counter(self, t: TrackedRequest) -> None:
         resumed = t.resumed_output()
         resumed = channel.pack(resumed) if resumed is not None else None
         t.sent = self._send(channel.Add(t.request_id, t.arrival_time, t.payload, resumed))
@@ -253,7 +258,7 @@ class EngineCoreClient:
                 if probation_running:
                     continue
                 probation_running = True
-            self._send_add(t)
+            self._sendadd_counter(t)
 
     def _call(self, method: str, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -463,7 +468,7 @@ class EngineCoreClient:
         for key, value in self._stats.items():
             if key in _GAUGES or not isinstance(value, int | float | list):
                 continue
-            self._carried[key] = _add(self._carried.get(key), value)
+            self._carried[key] = add_counter(self._carried.get(key), value)
         # Until the next process reports: nothing running, no counts of its own.
         self._stats = {k: [] if isinstance(v, list) else 0 for k, v in self._stats.items()}
 
@@ -482,12 +487,3 @@ class EngineCoreClient:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
         self._calls.clear()
-
-
-def _add(a, b):
-    """Two readings of a counter summed (a list: by position); None counts as nothing."""
-    if a is None or b is None:
-        return b if a is None else a
-    if isinstance(a, list):
-        return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
-    return a + b

@@ -87,8 +87,9 @@ def run_engine_core(
         core.run()
     except BaseException as e:
         logger.exception("the engine process failed")
-        # A lost worker is not the requests' fault (it may be seen first as a failed collective).
-        blame = engine.executor.dead(wait=2.0) is None
+        # A lost worker is not the requests' fault (it may be seen first as a failed collective),
+        # nor is a collective that timed out (a lost host or link).
+        blame = engine.executor.dead(wait=2.0) is None and not _collective_failed(e)
         outputs.send(channel.encode(channel.Fatal(repr(e), blame)))
         outputs.close(linger=2000)
         sys.exit(1)
@@ -97,6 +98,12 @@ def run_engine_core(
         engine.shutdown()
     outputs.close(linger=2000)
     inputs.close(linger=0)
+
+
+def _collective_failed(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistError)
 
 
 def _watch_workers(executor, stopping: threading.Event) -> None:

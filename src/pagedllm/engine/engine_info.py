@@ -27,6 +27,10 @@ class EngineDescription:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
+    def engine_stats(self) -> dict[str, dict]:
+        """The counters (get_stats()) by data-parallel rank: this engine's alone."""
+        return {str(self.config.parallel.data_parallel_rank): self.get_stats()}
+
 
 class EngineInfo(EngineDescription):
     """What the serving layer reads of the engine, on this side of the channel: the resolved
@@ -41,6 +45,10 @@ class EngineInfo(EngineDescription):
 
     def get_stats(self) -> dict:
         return self._client.get_stats()
+
+    def engine_stats(self) -> dict[str, dict]:
+        """The counters by data-parallel rank (several with --data-parallel-size)."""
+        return self._client.engine_stats()
 
     def lora_stats(self) -> dict | None:
         return self._client.lora_stats

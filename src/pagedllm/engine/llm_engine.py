@@ -86,6 +86,11 @@ class LLMEngine(EngineDescription):
         """`executor`: another engine's, whose loaded model this one runs with its own cache
         settings (the models must agree; the other engine steps no more); `kv_cache_manager`:
         how the block manager is made."""
+        if args.data_parallel_size > 1 and args.data_parallel_rank is None:
+            raise ValueError(
+                "--data-parallel-size > 1 runs engine replicas behind `pagedllm serve` (in "
+                "their own processes); one engine is one replica"
+            )
         self.args = args
         self.config = config = create_engine_config(args)
         self.tokenizer = load_model_tokenizer(args.model, args.tokenizer)
@@ -109,7 +114,9 @@ class LLMEngine(EngineDescription):
             if config.kv_events is not None:
                 medium = "GPU" if config.device.device == "cuda" else "CPU"
                 self._kv_event_log = manager.record_events(medium)
-                self._kv_events = KVEventPublisher(config.kv_events)
+                dp = config.parallel
+                rank = dp.data_parallel_rank if dp.data_parallel_size > 1 else None
+                self._kv_events = KVEventPublisher(config.kv_events.for_rank(rank or 0), rank)
                 self._publish_kv_events()  # AllBlocksCleared: a new engine's cache is empty
         except BaseException:
             self.shutdown()

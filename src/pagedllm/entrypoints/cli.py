@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 import time
@@ -168,85 +167,26 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_template_arg(value: str | None) -> str | None:
-    """--chat-template: a file's path, or the template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
-
-
-def server_config_from(ns: argparse.Namespace):
-    """`serve`'s own flags as a ServerConfig, checked before the model loads."""
-    from pagedllm.entrypoints.openai.server_config import (
-        ConnectionLimits,
-        ServerConfig,
-        ServerLimits,
-    )
-
-    chat_template = _chat_template_arg(ns.chat_template)
-    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or json)")
-    limits = ServerLimits(
-        max_request_body_bytes=ns.max_request_body_bytes or None,
-        max_n=ns.max_n,
-        max_logprobs=ns.max_logprobs,
-        max_stop=ns.max_stop,
-        max_prompts=ns.max_prompts,
-    )
-    return ServerConfig(
-        served_model_name=ns.served_model_name or ns.model,  # None: the engine's model name
-        host=ns.host,
-        port=ns.port,
-        api_key=ns.api_key,
-        metrics_need_api_key=not ns.disable_metrics_auth,
-        chat_template=chat_template,
-        log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
-        max_waiting_requests=ns.max_waiting_requests or None,
-        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
-        limits=limits,
-        connections=ConnectionLimits(
-            ns.limit_concurrency,
-            ns.timeout_keep_alive,
-            ns.timeout_request_header or None,
-            ns.timeout_request_body or None,
-            ns.send_buffer_bytes or None,
-        ),  # fmt: skip
-        log_requests=ns.enable_log_requests,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        tool_call_parser=ns.tool_call_parser,
-        enable_dashboard=ns.enable_dashboard,
-        reasoning_parser=ns.reasoning_parser,
-        lora_modules=_lora_modules(ns.lora_modules),
-        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
-    )
-
-
-def _lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
-    from pagedllm.entrypoints.openai.lora import parse_lora_modules
-
-    try:
-        return parse_lora_modules(specs)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
 def cmd_serve(ns: argparse.Namespace) -> int:
     from pagedllm.engine.async_llm_engine import AsyncLLMEngine
     from pagedllm.engine.core_client import EngineCoreClient
+    from pagedllm.engine.dp_client import DataParallelClient
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.openai.server_config import server_config_from
 
     imported = time.perf_counter()
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     config = server_config_from(ns)
     args = engine_args_from(ns)
+    replicas = args.data_parallel_size > 1 and args.data_parallel_rank is None
+    if replicas and not ns.engine_process:
+        raise ValueError("--data-parallel-size > 1 runs each replica in an engine process")
     if ns.engine_process:  # the engine in its own process, restarted when it fails
+        client = DataParallelClient if replicas else EngineCoreClient
         try:
-            async_engine = EngineCoreClient(
+            async_engine = client(
                 args,
                 step_timeout=ns.engine_step_timeout,
                 max_restarts=ns.max_engine_restarts,
@@ -515,12 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(ns, "tensor_parallel_size", 1) > 1:
             from pagedllm.distributed.process_group import launched_rank
             from pagedllm.engine.arg_utils import create_engine_config
-            from pagedllm.executor.multiproc import run_worker
+            from pagedllm.executor.multiproc import run_node, run_worker
 
             rank = launched_rank()
             if rank:  # torchrun started this rank > 0: it serves rank 0's steps, nothing else
                 run_worker(create_engine_config(engine_args_from(ns)), rank)
                 return 0
+            if getattr(ns, "node_rank", 0) > 0:  # a host of --nnodes: its ranks, no engine
+                return run_node(create_engine_config(engine_args_from(ns)))
         return ns.func(ns) or 0
     except ValueError as e:  # bad flags or input: a clear message, no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -24,7 +24,7 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed import HeadShard, TPGroup, step_channel
 from pagedllm.distributed.parallel import min_over_ranks
 from pagedllm.distributed.process_group import (
-    address_from_env,
+    group_address,
     init_process_group,
     launched_rank,
     leave_group,
@@ -61,11 +61,43 @@ def run_worker(
     logging.getLogger("pagedllm").setLevel(logging.WARNING)  # rank 0 logs for all
     worker = Worker(config, rank)
     worker.init_device()
-    init_process_group(rank, config.parallel.tensor_parallel_size, address, worker.device)
+    init_process_group(rank, config.parallel, address, worker.device)
     try:
         _start(worker).run_steps()
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(config: EngineConfig, ranks, address: tuple[str, int]) -> list[mp.Process]:
+    """Start `ranks` as processes of this host that do not outlive this one."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
+    procs = [
+        ctx.Process(target=run_worker, args=(config, rank, address, os.getpid()),
+                    name=f"pagedllm-tp{rank}", daemon=True)
+        for rank in ranks
+    ]  # fmt: skip
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_node(config: EngineConfig) -> int:
+    """A host other than node 0 of --nnodes: run its ranks (the first in this process) until the
+    group ends; the exit status is 0 when rank 0 said shutdown, else 1 (a supervisor restarts
+    the host's ranks, to join rank 0's next group)."""
+    parallel = config.parallel
+    first, *others = parallel.node_ranks()
+    address = group_address(parallel)
+    procs = spawn_ranks(config, others, address)
+    status = 0
+    try:
+        run_worker(config, first, address)
+    except Exception as e:  # noqa: BLE001 - the group is gone: say why, leave with a status
+        logger.error("tensor-parallel rank %d: %s", first, e)
+        status = 1
+    for p in procs:
+        p.join()
+    return status if all(p.exitcode == 0 for p in procs) else 1
 
 
 class MultiprocExecutor(Executor):
@@ -83,7 +115,7 @@ class MultiprocExecutor(Executor):
         try:
             self.driver_worker = Worker(config, 0)
             self.driver_worker.init_device()
-            init_process_group(0, size, address, self.driver_worker.device)
+            init_process_group(0, config.parallel, address, self.driver_worker.device)
             logger.info("tensor parallelism: %d ranks", size)
             _start(self.driver_worker)
         except BaseException:
@@ -107,19 +139,13 @@ class MultiprocExecutor(Executor):
                     "(WORLD_SIZE): they must be equal"
                 )
             return None
-        address = address_from_env()
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
-        self.procs = [
-            ctx.Process(
-                target=run_worker,
-                args=(self.config, rank, address, os.getpid()),
-                name=f"pagedllm-tp{rank}",
-                daemon=True,
+        if self.config.parallel.node_rank:
+            raise ValueError(
+                "only node 0 of --nnodes builds an engine; the others run their ranks "
+                "(pagedllm.executor.multiproc.run_node, as the pagedllm command does)"
             )
-            for rank in range(1, size)
-        ]
-        for p in self.procs:
-            p.start()
+        address = group_address(self.config.parallel)
+        self.procs = spawn_ranks(self.config, self.config.parallel.node_ranks()[1:], address)
         return address
 
     def initialize_cache(self, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
@@ -157,11 +183,16 @@ class MultiprocExecutor(Executor):
                 step_channel.send_shutdown()
             except RuntimeError as e:  # a worker died meanwhile
                 logger.warning("tensor parallelism: shutdown message failed: %s", e)
+        self._stop_ranks(timeout)
+        leave_group()
+        torch.set_num_threads(self._threads_before)
+
+    def _stop_ranks(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for each worker to exit, then kill those left (a
+        subclass that starts its ranks otherwise stops them its own way)."""
         for p in self.procs:
             p.join(timeout)
         for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-        leave_group()
-        torch.set_num_threads(self._threads_before)

@@ -61,14 +61,16 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         tp_size = self.config.parallel.tensor_parallel_size
         if self.device.type == "cpu":
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))  # torchrun sets it
+            ranks_here = self.config.parallel.processes_per_node
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ranks_here))  # torchrun's
             cores = max(1, available_cpus() // ranks_here)  # each rank its share of the cores
             if torch.get_num_threads() > cores:
                 # More compute threads than cores: OpenMP's barriers wait on descheduled threads.
                 torch.set_num_threads(cores)
             logger.info("torch threads: %d (cores available: %d)", torch.get_num_threads(), cores)
         elif self.device.type == "cuda" and tp_size > 1:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank)))
+            local_rank = self.rank % self.config.parallel.ranks_per_node
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", local_rank)))
             torch.cuda.set_device(self.device)
 
     def load_model(self) -> None:

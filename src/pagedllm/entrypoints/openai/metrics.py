@@ -24,36 +24,35 @@ class EngineStatsCollector:
         self.model_name = model_name
 
     def collect(self):
-        stats = self.engine.get_stats()
-        labels, value = ["model_name"], [self.model_name]
+        """One sample per engine (data-parallel replica), labelled as vLLM labels them."""
+        by_engine = self.engine.engine_stats()
+        labels = ["model_name", "engine"]
+        values = {rank: [self.model_name, rank] for rank in by_engine}
         gauges = {
             "num_requests_running": ("num_running", "Requests running now."),
             "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
             "num_requests_swapped": ("num_swapped", "Requests swapped out to CPU memory."),
             "kv_cache_usage_perc": ("kv_cache_usage", "KV-cache usage (1 = full)."),
         }
-        for name, (key, doc) in gauges.items():
-            metric = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-            metric.add_metric(value, float(stats[key]))
-            yield metric
         counters = {
             "num_preemptions": ("num_preemptions_total", "Preemptions so far."),
             "prefix_cache_queries": ("prefix_cache_queries", "Blocks looked up in the cache."),
             "prefix_cache_hits": ("prefix_cache_hits", "Blocks found in the prefix cache."),
-        }
-        for name, (key, doc) in counters.items():
-            metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-            metric.add_metric(value, float(stats[key]))
-            yield metric
-        if "num_engine_restarts_total" in stats:  # an engine in its own process
-            metric = CounterMetricFamily(
-                "pagedllm:engine_restarts", "Engine processes restarted after a failure.",
-                labels=labels,
-            )  # fmt: skip
-            metric.add_metric(value, float(stats["num_engine_restarts_total"]))
-            yield metric
-        if "spec_decode_num_drafts" in stats:
-            yield from _spec_decode_metrics(stats, labels, value)
+            # an engine in its own process
+            "engine_restarts": ("num_engine_restarts_total",
+                                "Engine processes restarted after a failure."),
+        }  # fmt: skip
+        for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (key, doc) in table.items():
+                readings = [(r, s[key]) for r, s in by_engine.items() if key in s]
+                if readings:
+                    metric = kind(f"pagedllm:{name}", doc, labels=labels)
+                    for rank, reading in readings:
+                        metric.add_metric(values[rank], float(reading))
+                    yield metric
+        spec = {r: s for r, s in by_engine.items() if "spec_decode_num_drafts" in s}
+        if spec:
+            yield from _spec_decode_metrics(spec, labels, values)
         lora = self.engine.lora_stats()
         if lora is not None:
             # vLLM's / the Gateway API inference extension's: the adapters in the labels, the
@@ -69,7 +68,7 @@ class EngineStatsCollector:
             yield metric
 
 
-def _spec_decode_metrics(stats: dict, labels: list[str], value: list[str]):
+def _spec_decode_metrics(by_engine: dict, labels: list[str], values: dict):
     """vLLM's speculative decoding counters, acceptances by draft position labelled."""
     counters = {
         "spec_decode_num_drafts": "Verification rounds (a request's drafts in one step).",
@@ -78,15 +77,17 @@ def _spec_decode_metrics(stats: dict, labels: list[str], value: list[str]):
     }
     for name, doc in counters.items():
         metric = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-        metric.add_metric(value, float(stats[name]))
+        for rank, stats in by_engine.items():
+            metric.add_metric(values[rank], float(stats[name]))
         yield metric
     metric = CounterMetricFamily(
         "pagedllm:spec_decode_num_accepted_tokens_per_pos",
         "Draft tokens accepted, by their position in the draft (0: the first).",
         labels=[*labels, "position"],
     )
-    for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
-        metric.add_metric([*value, str(position)], float(count))
+    for rank, stats in by_engine.items():
+        for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            metric.add_metric([*values[rank], str(position)], float(count))
     yield metric
 
 

@@ -4,7 +4,9 @@ no bound on the queue); the command line's are its flags'."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from pagedllm.sampling_params import MAX_LOGPROBS
@@ -96,3 +98,62 @@ class ServerConfig:
         if self.served_model_name is not None:
             return self
         return dataclasses.replace(self, served_model_name=default)
+
+
+def _chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def server_config_from(ns: argparse.Namespace) -> ServerConfig:
+    """`serve`'s own flags as a ServerConfig, checked before the model loads."""
+    chat_template = _chat_template_arg(ns.chat_template)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or json)")
+    limits = ServerLimits(
+        max_request_body_bytes=ns.max_request_body_bytes or None,
+        max_n=ns.max_n,
+        max_logprobs=ns.max_logprobs,
+        max_stop=ns.max_stop,
+        max_prompts=ns.max_prompts,
+    )
+    return ServerConfig(
+        served_model_name=ns.served_model_name or ns.model,  # None: the engine's model name
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        metrics_need_api_key=not ns.disable_metrics_auth,
+        chat_template=chat_template,
+        log_stats_interval=None if ns.disable_log_stats else ns.log_stats_interval,
+        max_waiting_requests=ns.max_waiting_requests or None,
+        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+        limits=limits,
+        connections=ConnectionLimits(
+            ns.limit_concurrency,
+            ns.timeout_keep_alive,
+            ns.timeout_request_header or None,
+            ns.timeout_request_body or None,
+            ns.send_buffer_bytes or None,
+        ),  # fmt: skip
+        log_requests=ns.enable_log_requests,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        enable_dashboard=ns.enable_dashboard,
+        reasoning_parser=ns.reasoning_parser,
+        lora_modules=_lora_modules(ns.lora_modules),
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
+    )
+
+
+def _lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
+    from pagedllm.entrypoints.openai.lora import parse_lora_modules
+
+    try:
+        return parse_lora_modules(specs)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
