@@ -96,6 +96,7 @@ def test_two_replicas_serve_the_openai_api(model, monkeypatch):
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     port = free_port()
     ray_pids: set[int] = set()
+    earlier = descendants(os.getpid())  # e.g. a resource tracker an earlier test started
     try:
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -103,7 +104,7 @@ def test_two_replicas_serve_the_openai_api(model, monkeypatch):
         app = build_app({"model": model, "num_replicas": "2", "num_cpus": "1",
                          "served_model_name": "tiny", **options})  # fmt: skip
         serve.run(app, name="pagedllm", route_prefix="/")
-        ray_pids = descendants(os.getpid())
+        ray_pids = descendants(os.getpid()) - earlier
         url = f"http://127.0.0.1:{port}"
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
