@@ -54,9 +54,10 @@ lint: setup
 bench: setup
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 48 --baseline hf
 
-# Thousands of streams through an in-process server, then the leak checks (failed requests,
-# blocks still held, pool integrity, resident memory after the warm-up and each round, read
-# after malloc_trim, and the object types grown most); exits 1 on a failure or a leak.
+# Thousands of streams through a server whose engine runs in its own process (as `pagedllm
+# serve`), then the leak checks (failed requests, blocks still held, pool integrity, each
+# process's resident memory after the warm-up and each round, read after malloc_trim, and the
+# object types grown most); exits 1 on a failure, a leak or an engine restart.
 # SOAK_ARGS adds or overrides flags (e.g. --model, --num-prompts, --rounds, or
 # --max-rss-growth 2 to fail on RSS growth; docs/reliability.md has the long form). An
 # experiment of the checkout's benchmarks/, run from its root.

@@ -1,19 +1,22 @@
 """`python -m benchmarks.soak`: many requests through a real HTTP server, then the leak checks.
 
-The server runs in this process (uvicorn on a thread, the engine on its own), so that after the
-load the engine itself can be inspected: failed requests (from the `bench serve` client), then,
-once idle, the scheduler's and pool's integrity check, the blocks still held (KV usage must be 0:
-blocks kept for the prefix cache count as free), requests left in the engine, and the resident
-memory (RSS) and the number of Python objects of the process after a warm-up and after each of
-`--rounds` rounds of the requests (4 by default), read once the engine is idle. Meanwhile a
-dashboard page's polls of /debug/kv (with the integrity check) run twice a second, from before
-the warm-up to the end, and every one must pass.
+The server runs in this process (uvicorn on a thread) and, by default, the engine in its own
+process, as `pagedllm serve` runs it (engine/core_client.py; `--no-engine-process`: the engine
+in this process too, its loop on a thread). After the load the engine itself is inspected (in its
+process, through the calls of engine/diagnostics.py): failed requests (from the `bench serve`
+client), then, once idle, the scheduler's and pool's integrity check, the blocks still held (KV
+usage must be 0: blocks kept for the prefix cache count as free), requests left in the engine,
+and the resident memory (RSS) and the number of Python objects of each process (the server's and
+the engine's, or the one) after a warm-up and after each of `--rounds` rounds of the requests (4
+by default), read once the engine is idle. Meanwhile a dashboard page's polls of /debug/kv (with
+the integrity check) run twice a second, from before the warm-up to the end, and every one must
+pass. An engine process restarted during the soak fails it (its readings are another process's).
 
 Before the warm-up the KV pool is made resident (its pages written, every block's object made),
 so that the pool's first use is not counted as growth. `--trim-heap` returns the C heap's free
-pages (malloc_trim) before each RSS reading; the object types that grew most from the warm-up to
-the end are printed; `--max-rss-growth PCT` fails the run when RSS grew more than PCT percent
-from the warm-up to the end.
+pages (malloc_trim), in each process, before each RSS reading; the object types that grew most
+from the warm-up to the end are printed; `--max-rss-growth PCT` fails the run when RSS grew more
+than PCT percent from the warm-up to the end (in either process).
 """
 
 from __future__ import annotations
@@ -21,84 +24,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
-import gc
 import json
 import math
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from benchmarks import common
-from pagedllm.bench.utils import free_port
+from benchmarks.soak_targets import (
+    DashboardPoller,
+    EngineProcess,
+    InProcessEngine,
+    leak_report,
+    serve_in_thread,
+    wait_idle,
+)
 from pagedllm.config import EngineArgs
+from pagedllm.engine.diagnostics import make_pool_resident, rss_bytes
 
-
-def rss_bytes(pid: int | str = "self") -> int:
-    """Resident set size of a process, from /proc (Linux)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/<pid>/status")
-
-
-@contextlib.contextmanager
-def serve_in_thread(async_engine, served_model_name: str, **options) -> Iterator[str]:
-    """A real uvicorn server on a free loopback port, on a thread; yields its base URL. Leaving
-    the block stops the server (not the engine). `options`: other ServerConfig fields."""
-    import httpx
-    import uvicorn
-
-    from pagedllm.entrypoints.openai.api_server import build_app
-    from pagedllm.entrypoints.openai.connections import uvicorn_config
-    from pagedllm.entrypoints.openai.server_config import ServerConfig
-
-    server_config = ServerConfig(served_model_name, **options)
-    app = build_app(async_engine, server_config)
-    port = free_port()
-    config = uvicorn_config(app, server_config, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="pagedllm-http", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if not thread.is_alive() or time.time() > deadline:
-            raise RuntimeError("the in-process server did not come up")
-        time.sleep(0.05)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def _num_objects() -> int:
-    """Objects the garbage collector tracks, after a collection: leaked Python state grows it,
-    native allocator churn does not."""
-    gc.collect()
-    return len(gc.get_objects())
-
-
-def _type_name(obj: object) -> str:
-    kind = type(obj)
-    module = getattr(kind, "__module__", None)
-    name = getattr(kind, "__qualname__", kind.__name__)
-    return name if module in (None, "builtins") else f"{module}.{name}"
-
-
-def object_types() -> collections.Counter[str]:
-    """The objects the garbage collector tracks, counted by type, after a collection."""
-    gc.collect()
-    return collections.Counter(_type_name(obj) for obj in gc.get_objects())
+__all__ = ["leak_report", "make_pool_resident", "rss_bytes", "serve_in_thread", "wait_idle"]
 
 
 def type_growth(before: collections.Counter[str], after: collections.Counter[str],
@@ -109,133 +53,52 @@ def type_growth(before: collections.Counter[str], after: collections.Counter[str
     return sorted(grown, key=lambda item: (-item[1], item[0]))[:top]
 
 
-def make_pool_resident(engine) -> int:
-    """Touch every page of the engine's KV pool (and swap space, and a draft model's pool) and
-    make every block's object, before any request: the pool is allocated uninitialized and the
-    block pool makes a block's object the first time it hands it out, so otherwise both grow
-    the process as the load first spreads over the blocks. Writes zeros, which no kernel reads
-    (a slot is written before it is read): only safe while the engine holds no request.
-    Returns the bytes written. Reaches into the engine's internals (this is a benchmark)."""
-    import torch
-
-    kv_manager = engine.scheduler.kv_cache_manager
-    for name in ("block_pool", "cpu_block_pool"):
-        block_pool = getattr(kv_manager, name, None)
-        if block_pool is not None and hasattr(block_pool, "blocks"):
-            block_pool.blocks  # noqa: B018 - makes the never-used blocks' objects
-    runner = engine.executor.driver_worker.model_runner
-    draft = getattr(getattr(runner, "proposer", None), "runner", None)
-    tensors = []
-    for kv_cache in (runner.kv_cache, getattr(draft, "kv_cache", None)):
-        if kv_cache is not None:
-            tensors += [kv_cache.pool, kv_cache.swap_pool]
-    written = 0
-    with torch.no_grad():
-        for tensor in tensors:
-            # Writes: reading a page never written maps the shared zero page, not counted in RSS.
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
-                tensor.zero_()
-                written += tensor.numel() * tensor.element_size()
-    return written
+def rss_fields(rss: list[int], half: int) -> dict[str, float]:
+    """A series of RSS readings (the warm-up's, then each round's): start, end, growth."""
+    mib = 2**20
+    return {
+        "rss_start_mib": rss[0] / mib, "rss_end_mib": rss[-1] / mib,
+        "rss_growth_mib": (rss[-1] - rss[0]) / mib,
+        "rss_growth_pct": 100.0 * (rss[-1] - rss[0]) / rss[0],
+        "rss_second_half_growth_mib": (rss[-1] - rss[half]) / mib,
+    }  # fmt: skip
 
 
-class MemoryReadings:
-    """RSS and Python objects after the warm-up and after each round, read with the engine idle.
-    With `trim_heap`, `pagedllm.heap.trim_heap()` (malloc_trim) runs before each RSS reading, so
-    that free pages the C heap still holds are not counted; the RSS before it is kept too."""
+class ProcessMemory:
+    """One process's memory after the warm-up and after each round, read with the engine idle:
+    engine/diagnostics.py's memory_report (RSS after the trim with `--trim-heap`, and before it;
+    the objects the garbage collector tracks; by type, at the first and the last reading)."""
 
-    def __init__(self, trim_heap: bool) -> None:
-        self.trim_heap = trim_heap
+    def __init__(self) -> None:
+        self.pids: list[int] = []
         self.rss: list[int] = []
         self.rss_untrimmed: list[int] = []
         self.objects: list[int] = []
+        self.types: list[collections.Counter[str]] = []
 
-    def read(self) -> None:
-        self.objects.append(_num_objects())
-        self.rss_untrimmed.append(rss_bytes())
-        if self.trim_heap:
-            from pagedllm.heap import trim_heap
-
-            trim_heap()
-        self.rss.append(rss_bytes())
+    def add(self, report: dict[str, Any]) -> None:
+        self.pids.append(report["pid"])
+        self.objects.append(report["num_objects"])
+        self.rss_untrimmed.append(report["rss_before_trim_bytes"])
+        self.rss.append(report["rss_bytes"])
+        if "object_types" in report:
+            self.types.append(collections.Counter(report["object_types"]))
 
     @property
     def growth_pct(self) -> float:
         return 100.0 * (self.rss[-1] - self.rss[0]) / self.rss[0]
 
-
-def wait_idle(engine, timeout: float = 120.0) -> bool:
-    """Wait until the engine holds no request (aborts are applied between steps)."""
-    deadline = time.time() + timeout
-    while engine.has_unfinished_requests() and time.time() < deadline:
-        time.sleep(0.05)
-    return not engine.has_unfinished_requests()
-
-
-class DashboardPoller:
-    """An open dashboard page during the load: polls /debug/kv with the integrity check every
-    `interval` seconds on a thread, and counts the polls that failed or whose snapshot did not
-    pass the check or add up (free + cached + used == total)."""
-
-    def __init__(self, url: str, interval: float = 0.5) -> None:
-        self.url = f"{url}/debug/kv?check=true"
-        self.interval = interval
-        self.num_polls = 0
-        self.bad: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dashboard-poller", daemon=True)
-
-    def __enter__(self) -> DashboardPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        import httpx
-
-        with httpx.Client(timeout=60) as http:
-            while True:
-                self.num_polls += 1
-                try:
-                    response = http.get(self.url)
-                    response.raise_for_status()
-                    snap = response.json()
-                    pool = snap["pool"]
-                    counts = pool["counts"]
-                    if not snap["integrity"]["ok"]:
-                        self.bad.append(snap["integrity"]["error"])
-                    elif counts["free"] + counts["cached"] + counts["used"] != pool["num_blocks"]:
-                        self.bad.append(f"counts {counts} do not add up to {pool['num_blocks']}")
-                except Exception as e:  # noqa: BLE001 - counted and reported
-                    self.bad.append(repr(e))
-                if self._stop.wait(self.interval):
-                    return
-
-
-def leak_report(async_engine) -> dict[str, Any]:
-    """After the load, with the engine idle: what it still holds. Call from any thread once no
-    request is in flight (the loop then only waits for commands)."""
-    engine = async_engine.engine
-    idle = wait_idle(engine)
-    kv = engine.scheduler.kv_cache_manager
-    integrity = "ok"
-    try:
-        engine.scheduler.check_integrity()
-    except AssertionError as e:
-        integrity = f"failed: {e}"
-    return {
-        "idle": idle,
-        "integrity": integrity,
-        "unfinished_requests": engine.get_num_unfinished_requests(),
-        "open_streams": len(async_engine._streams),
-        "leaked_blocks": engine.num_blocks - kv.num_free_blocks,
-        "num_blocks": engine.num_blocks,
-        "kv_cache_usage": kv.usage,
-        "num_preemptions_total": engine.get_stats()["num_preemptions_total"],
-    }
+    def fields(self, half: int, top: int) -> dict[str, Any]:
+        """The JSON fields of its readings (`half`: the reading after the first half)."""
+        mib = 2**20
+        return {
+            **rss_fields(self.rss, half),
+            "rss_after_rounds_mib": [r / mib for r in self.rss],
+            "rss_before_trim_after_rounds_mib": [r / mib for r in self.rss_untrimmed],
+            "python_objects_after_rounds": self.objects,
+            "python_objects_growth": self.objects[-1] - self.objects[0],
+            "object_types_grown": dict(type_growth(self.types[0], self.types[-1], top)),
+        }
 
 
 def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -254,6 +117,10 @@ def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("soak")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine in its own process, as `pagedllm serve` does, and "
+                            "read both processes' memory (default); --no-engine-process: the "
+                            "engine in this process, its loop on a thread")  # fmt: skip
     group.add_argument("--num-prompts", type=int, default=1000,
                        help="requests after the warm-up, all rounds (default: 1000)")  # fmt: skip
     group.add_argument("--rounds", type=int, default=4,
@@ -267,115 +134,183 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="ShareGPT length scale (default: 0.1)")  # fmt: skip
     group.add_argument("--workload-seed", type=int, default=0, help="workload seed (default: 0)")
     group.add_argument("--trim-heap", action="store_true",
-                       help="malloc_trim(0) before each RSS reading, so that free pages the C "
-                            "heap keeps are not counted")  # fmt: skip
+                       help="malloc_trim(0) before each RSS reading (in each process), so that "
+                            "free pages the C heap keeps are not counted")  # fmt: skip
     group.add_argument("--no-resident-pool", dest="resident_pool", action="store_false",
                        help="do not make the KV pool resident before the warm-up (its first "
                             "use then counts as growth)")  # fmt: skip
     group.add_argument("--max-rss-growth", type=float, default=None, metavar="PCT",
                        help="exit 1 when RSS grew more than PCT percent from the warm-up to "
-                            "the end (default: no limit)")  # fmt: skip
+                            "the end, in either process (default: no limit)")  # fmt: skip
     group.add_argument("--top-types", type=int, default=15,
                        help="object types printed, those grown most (default: 15)")  # fmt: skip
     group.add_argument("--result-json", default=None, help="also write the results here")
 
 
-def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
-    from pagedllm.bench.serve import format_summary, run_benchmark
-    from pagedllm.bench.workload import workload_from_tokenizer
-    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
-    from pagedllm.engine.llm_engine import LLMEngine
+def rss_verdict(growth_pct: dict[str, float], limit: float) -> tuple[bool, str]:
+    """Whether each process's RSS growth (percent, by process name; "" for the one process of
+    --no-engine-process) is within `limit` percent, and the line that says so."""
+    over = [name for name, pct in growth_pct.items() if pct > limit]
+    if list(growth_pct) == [""]:
+        verdict = "FAILED: above" if over else "within"
+        return not over, (f"RSS growth {growth_pct['']:+.2f}% from the warm-up to the end: "
+                          f"{verdict} --max-rss-growth {limit:g}%")  # fmt: skip
+    growths = ", ".join(f"{name} {pct:+.2f}%" for name, pct in growth_pct.items())
+    verdict = f"FAILED: {' and '.join(over)} above" if over else "within"
+    return not over, (f"RSS growth from the warm-up to the end: {growths}: {verdict} "
+                      f"--max-rss-growth {limit:g}% (each process)")  # fmt: skip
 
+
+def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     if ns.num_prompts < 1 or ns.max_concurrency < 1 or ns.warmup_prompts < 0:
         raise ValueError("--num-prompts and --max-concurrency must be >= 1, --warmup-prompts >= 0")
     if not 1 <= ns.rounds <= ns.num_prompts:
         raise ValueError("--rounds must be between 1 and --num-prompts")
     if ns.max_rss_growth is not None and ns.max_rss_growth < 0:
         raise ValueError("--max-rss-growth must be >= 0")
-    engine = LLMEngine(engine_args)
-    if engine.tokenizer is None:
-        raise ValueError("the soak's workload needs a model with a tokenizer")
-    resident_bytes = make_pool_resident(engine) if ns.resident_pool else 0
-    async_engine = AsyncLLMEngine(engine)
+    target = EngineProcess(engine_args) if ns.engine_process else InProcessEngine(engine_args)
+    try:
+        if target.info.tokenizer is None:
+            raise ValueError("the soak's workload needs a model with a tokenizer")
+        resident_bytes = target.start(ns.resident_pool)
+        parts, memory, leaks, dashboard = _load(ns, target)
+        restarts = target.restarts()
+    finally:
+        target.shutdown()
+    return _report(ns, parts, memory, leaks, dashboard, resident_bytes, restarts)
+
+
+def _load(ns: argparse.Namespace, target):
+    """The warm-up, then the rounds, memory read after each; the leak checks at the end."""
+    from pagedllm.bench.serve import run_benchmark
+    from pagedllm.bench.workload import workload_from_tokenizer
+
+    info = target.info
     name = "soak"
     workload = workload_from_tokenizer(
-        ns.num_prompts + ns.warmup_prompts, engine.tokenizer, scale=ns.scale,
-        seed=ns.workload_seed, max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
+        ns.num_prompts + ns.warmup_prompts, info.tokenizer, scale=ns.scale,
+        seed=ns.workload_seed, max_model_len=info.max_model_len,
+        vocab_size=info.model_config.vocab_size,
     )  # fmt: skip
     warmup, requests = workload[: ns.warmup_prompts], workload[ns.warmup_prompts :]
-    memory = MemoryReadings(ns.trim_heap)
+    memory = {process: ProcessMemory() for process in target.processes}
+
+    def read(by_type: bool) -> str:
+        for process, report in target.read_memory(ns.trim_heap, by_type).items():
+            memory[process].add(report)
+        mib = 2**20
+        if list(memory) == [""]:
+            return f"RSS {memory[''].rss[-1] / mib:.1f} MiB, {memory[''].objects[-1]} objects"
+        line = "RSS " + ", ".join(f"{process} {m.rss[-1] / mib:.1f} MiB ({m.objects[-1]} objects)"
+                                  for process, m in memory.items())  # fmt: skip
+        pids = memory["engine"].pids
+        if len(pids) > 1 and pids[-1] != pids[-2]:
+            line += f", the engine process RESTARTED (pid {pids[-2]} -> {pids[-1]})"
+        return line
+
     started = time.perf_counter()
-    try:
-        with serve_in_thread(async_engine, name) as url, DashboardPoller(url) as dashboard:
-            # The dashboard polls from before the warm-up: its own state is in the baseline.
-            if warmup:
-                asyncio.run(run_benchmark(url, warmup, name, math.inf, ns.max_concurrency))
-            wait_idle(engine)
-            memory.read()
-            types_start = object_types()
-            print(f"{len(requests)} requests in {ns.rounds} rounds, "
-                  f"concurrency {ns.max_concurrency}, at {url}", flush=True)  # fmt: skip
-            # RSS read after each round: a leak grows round after round.
-            bounds = [len(requests) * k // ns.rounds for k in range(ns.rounds + 1)]
-            parts = []
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                run = run_benchmark(url, requests[lo:hi], name, math.inf, ns.max_concurrency)
-                parts.append(asyncio.run(run))
-                wait_idle(engine)
-                memory.read()
-                print(f"round {len(parts)}/{ns.rounds}: {hi} requests, "
-                      f"RSS {memory.rss[-1] / 2**20:.1f} MiB, {memory.objects[-1]} objects, "
-                      f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
-            types_end = object_types()
-            leaks = leak_report(async_engine)
-    finally:
-        async_engine.shutdown()
+    with serve_in_thread(target.async_engine, name) as url, DashboardPoller(url) as dashboard:
+        # The dashboard polls from before the warm-up: its own state is in the baseline.
+        if warmup:
+            asyncio.run(run_benchmark(url, warmup, name, math.inf, ns.max_concurrency))
+        target.wait_idle()
+        read(by_type=True)
+        print(f"{len(requests)} requests in {ns.rounds} rounds, "
+              f"concurrency {ns.max_concurrency}, at {url}", flush=True)  # fmt: skip
+        # RSS read after each round: a leak grows round after round.
+        bounds = [len(requests) * k // ns.rounds for k in range(ns.rounds + 1)]
+        parts = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            run = run_benchmark(url, requests[lo:hi], name, math.inf, ns.max_concurrency)
+            parts.append(asyncio.run(run))
+            target.wait_idle()
+            line = read(by_type=len(parts) == ns.rounds)
+            print(f"round {len(parts)}/{ns.rounds}: {hi} requests, {line}, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+        leaks = target.leak_report()
+    return parts, memory, leaks, dashboard
+
+
+def _report(ns, parts, memory, leaks, dashboard, resident_bytes, restarts) -> int:
+    """Print the results (and write them as JSON); the exit status."""
+    from pagedllm.bench.serve import format_summary
+
     mib = 1024 * 1024
     summary = merge_summaries(parts)
-    rss = memory.rss
     half = ns.rounds // 2  # the reading after the first half of the rounds
-    grown_types = type_growth(types_start, types_end, ns.top_types)
+    one = list(memory) == [""]
     result = {
         **summary, **leaks, "rounds": ns.rounds, "trim_heap": ns.trim_heap,
-        "resident_pool_bytes": resident_bytes,
-        "rss_start_mib": rss[0] / mib, "rss_end_mib": rss[-1] / mib,
-        "rss_growth_mib": (rss[-1] - rss[0]) / mib, "rss_growth_pct": memory.growth_pct,
-        "rss_second_half_growth_mib": (rss[-1] - rss[half]) / mib,
-        "rss_after_rounds_mib": [r / mib for r in rss],
-        "rss_before_trim_after_rounds_mib": [r / mib for r in memory.rss_untrimmed],
-        "python_objects_after_rounds": memory.objects,
-        "python_objects_growth": memory.objects[-1] - memory.objects[0],
-        "object_types_grown": dict(grown_types),
+        "engine_process": ns.engine_process, "resident_pool_bytes": resident_bytes,
+    }  # fmt: skip
+    if one:
+        result.update(memory[""].fields(half, ns.top_types))
+    else:
+        for process, m in memory.items():
+            result.update({f"{process}_{k}": v for k, v in m.fields(half, ns.top_types).items()})
+        total = [sum(rss) for rss in zip(*(m.rss for m in memory.values()), strict=True)]
+        result.update({f"total_{k}": v for k, v in rss_fields(total, half).items()})
+        result["total_rss_after_rounds_mib"] = [r / mib for r in total]
+        result["engine_pids"] = list(dict.fromkeys(memory["engine"].pids))
+        result["engine_restarts"] = restarts
+    result.update({
         "dashboard_polls": dashboard.num_polls,
         "dashboard_bad_polls": len(dashboard.bad), "dashboard_errors": dashboard.bad[:5],
         "max_rss_growth_pct": ns.max_rss_growth,
-    }  # fmt: skip
+    })  # fmt: skip
     print(format_summary(summary))
     print("(counts and throughput: all rounds; latencies: the last round)")
     for error in summary["errors"] + result["dashboard_errors"]:
         print(f"error: {error}")
     print(f"{'-' * 15}Leak checks{'-' * 15}")
-    for key in ("idle", "integrity", "unfinished_requests", "open_streams", "leaked_blocks",
-                "num_blocks", "num_preemptions_total", "dashboard_polls",
-                "dashboard_bad_polls"):  # fmt: skip
+    keys = ["idle", "integrity", "unfinished_requests", "open_streams", "leaked_blocks",
+            "num_blocks", "num_preemptions_total", "dashboard_polls",
+            "dashboard_bad_polls"]  # fmt: skip
+    if not one:
+        keys[3:3] = ["compiling_requests"]
+        keys.append("engine_restarts")
+    for key in keys:
         print(f"{key + ':':<40}{result[key]!s:>12}")
     print(f"{'-' * 15}Memory{'-' * 15}")
     print(f"{'KV pool made resident (MiB):':<40}{resident_bytes / mib:>12.1f}")
-    for key in ("rss_start_mib", "rss_end_mib", "rss_growth_mib", "rss_growth_pct",
-                "rss_second_half_growth_mib"):  # fmt: skip
-        print(f"{key + ':':<40}{result[key]:>12.2f}")
+    scalars = ("rss_start_mib", "rss_end_mib", "rss_growth_mib", "rss_growth_pct",
+               "rss_second_half_growth_mib")  # fmt: skip
     trimmed = " (after malloc_trim)" if ns.trim_heap else ""
-    print(f"RSS after warm-up, then each round{trimmed} (MiB):")
-    print("  " + " ".join(f"{r:.1f}" for r in result["rss_after_rounds_mib"]))
-    if ns.trim_heap:
-        print("RSS, same points, before malloc_trim (MiB):")
-        print("  " + " ".join(f"{r:.1f}" for r in result["rss_before_trim_after_rounds_mib"]))
-    print("Python objects after warm-up, then each round:")
-    print("  " + " ".join(str(n) for n in memory.objects))
-    print(f"Object types grown most from the warm-up to the end (of {len(types_end)} types):")
-    for type_name, delta in grown_types or [("(none grew)", 0)]:
-        print(f"  {delta:>+8} {type_name}")
+    if one:
+        for key in scalars:
+            print(f"{key + ':':<40}{result[key]:>12.2f}")
+        print(f"RSS after warm-up, then each round{trimmed} (MiB):")
+        print("  " + " ".join(f"{r:.1f}" for r in result["rss_after_rounds_mib"]))
+        if ns.trim_heap:
+            print("RSS, same points, before malloc_trim (MiB):")
+            print("  " + " ".join(f"{r:.1f}" for r in result["rss_before_trim_after_rounds_mib"]))
+        print("Python objects after warm-up, then each round:")
+        print("  " + " ".join(str(n) for n in memory[""].objects))
+    else:
+        columns = [*memory, "total"]
+        print(f"{'':<40}" + "".join(f"{c:>12}" for c in columns))
+        for key in scalars:
+            print(f"{key + ':':<40}" + "".join(f"{result[f'{c}_{key}']:>12.2f}" for c in columns))
+        print(f"engine process pids: {', '.join(map(str, result['engine_pids']))}")
+        series = [("RSS after warm-up, then each round{trimmed} (MiB):", "rss_after_rounds_mib",
+                   columns)]  # fmt: skip
+        if ns.trim_heap:
+            series.append(("RSS, same points, before malloc_trim (MiB):",
+                           "rss_before_trim_after_rounds_mib", list(memory)))  # fmt: skip
+        for title, key, names in series:
+            print(title.format(trimmed=trimmed))
+            for c in names:
+                print(f"  {c:<8}" + " ".join(f"{r:.1f}" for r in result[f"{c}_{key}"]))
+        print("Python objects after warm-up, then each round:")
+        for process, m in memory.items():
+            print(f"  {process:<8}" + " ".join(str(n) for n in m.objects))
+    for process, m in memory.items():
+        which = f", {process} process" if process else ""
+        grown = type_growth(m.types[0], m.types[-1], ns.top_types)
+        print(f"Object types grown most from the warm-up to the end{which} "
+              f"(of {len(m.types[-1])} types):")  # fmt: skip
+        for type_name, delta in grown or [("(none grew)", 0)]:
+            print(f"  {delta:>+8} {type_name}")
     if ns.result_json:
         with open(ns.result_json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), **result}, f, indent=2,
@@ -383,13 +318,16 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     clean = (
         summary["failed"] == 0 and leaks["integrity"] == "ok" and leaks["leaked_blocks"] == 0
         and leaks["unfinished_requests"] == 0 and leaks["open_streams"] == 0
-        and result["dashboard_bad_polls"] == 0
+        and leaks.get("compiling_requests", 0) == 0 and result["dashboard_bad_polls"] == 0
     )  # fmt: skip
+    if not one and (restarts or len(result["engine_pids"]) > 1):
+        print(f"FAILED: the engine process restarted {restarts} times during the soak (pids "
+              f"{', '.join(map(str, result['engine_pids']))}): a soak should have none, and "
+              "its readings are not one process's")  # fmt: skip
+        clean = False
     if ns.max_rss_growth is not None:
-        within = memory.growth_pct <= ns.max_rss_growth
-        verdict = "within" if within else "FAILED: above"
-        print(f"RSS growth {memory.growth_pct:+.2f}% from the warm-up to the end: {verdict} "
-              f"--max-rss-growth {ns.max_rss_growth:g}%")  # fmt: skip
+        within, line = rss_verdict({p: m.growth_pct for p, m in memory.items()}, ns.max_rss_growth)
+        print(line)
         clean = clean and within
     return 0 if clean else 1
 

@@ -1,14 +1,21 @@
 """`python -m benchmarks.soak` on a tiny random GGUF model: a short run reports zero failures and no
 leaked block; a leak the engine is made to keep is reported and fails the command, and so does
-resident memory growing past `--max-rss-growth`."""
+resident memory growing past `--max-rss-growth`. Those run the engine in the test's process
+(`--no-engine-process`, where the engine can be patched); with the engine in its own process (the
+default, as `pagedllm serve`), both processes' memory is read and the leak checks run there, and
+an engine process restarted during the soak fails it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
 from benchmarks import common, soak
+from pagedllm.engine import diagnostics
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
 
 
@@ -22,11 +29,12 @@ def tiny_gguf(tmp_path_factory):
     return str(write_tiny_llama(path, random_hf_weights(len(gpt2_vocab()[0]))))
 
 
-def _soak(tiny_gguf, out, *extra):
+def _soak(tiny_gguf, out, *extra, engine_process=False):
     return run_soak(
         ["--model", tiny_gguf, "--kv-cache-memory", "16MiB",
          "--num-prompts", "40", "--warmup-prompts", "8", "--max-concurrency", "16",
-         "--result-json", str(out), *extra]
+         "--result-json", str(out),
+         "--engine-process" if engine_process else "--no-engine-process", *extra]
     )  # fmt: skip
 
 
@@ -81,7 +89,7 @@ def test_soak_fails_on_rss_growth(tiny_gguf, tmp_path, monkeypatch, capsys):
     soak prints the series and exits 1, though every request and leak check passed."""
     readings = iter(range(1000))
     monkeypatch.setattr(
-        soak, "rss_bytes", lambda pid="self": int(2**30 * 1.1 ** (next(readings) // 2))
+        diagnostics, "rss_bytes", lambda pid="self": int(2**30 * 1.1 ** (next(readings) // 2))
     )
     out = tmp_path / "soak.json"
     assert _soak(tiny_gguf, out, "--rounds", "2", "--max-rss-growth", "5") == 1
@@ -100,3 +108,87 @@ def test_type_growth_lists_the_types_grown_most():
     after = Counter({"dict": 12, "list": 5, "New": 7, "Block": 2})
     assert soak.type_growth(before, after) == [("New", 7), ("Block", 2), ("dict", 2)]
     assert soak.type_growth(before, after, top=1) == [("New", 7)]
+
+
+def test_soak_with_the_engine_in_its_own_process(tiny_gguf, tmp_path, capsys):
+    """The default: the engine in its own process. Each process's RSS and objects are read (the
+    engine's in its process, through calls), the pool made resident there, the leak checks run
+    there; every check passes."""
+    out = tmp_path / "soak.json"
+    argv = ("--rounds", "2", "--trim-heap", "--max-rss-growth", "1000")
+    assert _soak(tiny_gguf, out, *argv, engine_process=True) == 0
+    printed = capsys.readouterr().out
+    assert "within --max-rss-growth 1000% (each process)" in printed
+    assert "engine_restarts:" in printed and "engine process pids:" in printed
+    for process in ("server", "engine"):
+        assert f"Object types grown most from the warm-up to the end, {process} process" in printed
+    result = json.loads(out.read_text())
+    assert result["engine_process"] is True
+    assert result["completed"] == 40 and result["failed"] == 0
+    assert result["integrity"] == "ok" and result["leaked_blocks"] == 0
+    assert result["unfinished_requests"] == 0 and result["open_streams"] == 0
+    assert result["compiling_requests"] == 0 and result["idle"] is True
+    # One engine process, not this one, all along.
+    assert result["engine_restarts"] == 0
+    assert len(result["engine_pids"]) == 1 and result["engine_pids"][0] != os.getpid()
+    # The warm-up's reading, then one per round, in each process; the total is their sum.
+    for process in ("server", "engine"):
+        assert len(result[f"{process}_rss_after_rounds_mib"]) == 3
+        assert len(result[f"{process}_rss_before_trim_after_rounds_mib"]) == 3
+        assert len(result[f"{process}_python_objects_after_rounds"]) == 3
+        assert result[f"{process}_rss_start_mib"] > 0
+    total = result["total_rss_end_mib"]
+    assert abs(total - result["server_rss_end_mib"] - result["engine_rss_end_mib"]) < 1e-6
+    assert "rss_growth_pct" not in result  # which process's? only prefixed fields
+    # The engine process's 16 MiB pool was written before the warm-up.
+    assert result["resident_pool_bytes"] >= 15 * 2**20
+    assert result["dashboard_polls"] >= 1 and result["dashboard_bad_polls"] == 0
+
+
+def test_soak_fails_when_the_engine_process_restarts(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """The engine process killed after the first round: the client restarts it, the soak goes on
+    (its readings from the new process), then reports the restart and exits 1."""
+    read_memory = soak.EngineProcess.read_memory
+    reads = []
+
+    def read_after_a_kill(self, trim_heap, by_type):
+        reads.append(self.client.pid)
+        if len(reads) == 2:  # after the first round
+            os.kill(self.client.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while self.client.num_restarts == 0 or self.client.is_restarting:
+                assert time.monotonic() < deadline, "the engine process was not restarted"
+                time.sleep(0.05)
+        return read_memory(self, trim_heap, by_type)
+
+    monkeypatch.setattr(soak.EngineProcess, "read_memory", read_after_a_kill)
+    out = tmp_path / "soak.json"
+    assert _soak(tiny_gguf, out, "--rounds", "2", engine_process=True) == 1
+    printed = capsys.readouterr().out
+    assert "the engine process RESTARTED" in printed
+    assert "FAILED: the engine process restarted 1 times during the soak" in printed
+    result = json.loads(out.read_text())
+    assert result["engine_restarts"] == 1 and len(result["engine_pids"]) == 2
+    assert result["failed"] == 0 and result["leaked_blocks"] == 0 and result["integrity"] == "ok"
+
+
+def test_rss_verdict_bounds_each_process():
+    ok, line = soak.rss_verdict({"": 4.0}, 5)
+    assert (
+        ok and line == "RSS growth +4.00% from the warm-up to the end: within --max-rss-growth 5%"
+    )
+    ok, line = soak.rss_verdict({"server": 1.0, "engine": 6.0}, 5)
+    assert not ok and line.endswith(
+        "engine +6.00%: FAILED: engine above --max-rss-growth 5% (each process)"
+    )
+    ok, line = soak.rss_verdict({"server": 1.0, "engine": 2.0}, 5)
+    assert ok and "within --max-rss-growth 5% (each process)" in line
+
+
+def test_make_pool_resident_refuses_an_engine_holding_requests():
+    class Busy:
+        def has_unfinished_requests(self):
+            return True
+
+    with pytest.raises(ValueError, match="no request"):
+        diagnostics.make_pool_resident(Busy())

@@ -4,11 +4,12 @@ engine/core_client.py is the other end).
 
 Between two steps it takes what the server sent: requests (added as soon as their structured-
 output constraint, if any, has compiled on a compile thread), aborts, calls (a KV snapshot,
-checking a LoRA adapter). After every step it sends the step's outputs (as deltas) and the
-engine's counters; idle, it sends the counters every HEARTBEAT seconds, so the server can tell
-a hung step (no message while requests are in flight) from an idle engine. If the loop raises,
-it sends a Fatal message and exits; the server starts another process. With tensor-parallel
-workers, a thread exits the process when one of them is gone (`_watch_workers`)."""
+checking a LoRA adapter, engine/diagnostics.py's reports). After every step it sends the step's
+outputs (as deltas) and the engine's counters; idle, it sends the counters every HEARTBEAT
+seconds, so the server can tell a hung step (no message while requests are in flight) from an
+idle engine. If the loop raises, it sends a Fatal message and exits; the server starts another
+process. With tensor-parallel workers, a thread exits the process when one of them is gone
+(`_watch_workers`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
+from pagedllm.engine import diagnostics
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.heap import trim_heap
 from pagedllm.logger import init_logger
@@ -245,6 +247,10 @@ class EngineCore:
             "kv_snapshot": engine.kv_snapshot,
             "check_lora": engine.check_lora,
             "reset_prefix_cache": engine.reset_prefix_cache,
+            # Diagnostics (a soak, a leak hunt): engine/diagnostics.py.
+            "memory_report": diagnostics.memory_report,
+            "leak_report": self._leak_report,
+            "make_pool_resident": self._make_pool_resident,
         }
         try:
             value, ok = calls[message.method](*channel.unpack(message.args)), True
@@ -252,6 +258,19 @@ class EngineCore:
             value, ok = f"{type(e).__name__}: {e}", False
         reply = channel.Reply(message.call_id, ok, channel.pack(value))
         self.outputs.send(channel.encode(reply))
+
+    def _leak_report(self) -> dict:
+        """diagnostics.leak_report, counting the requests whose constraint still compiles (not
+        yet in the engine) too."""
+        report = diagnostics.leak_report(self.engine)
+        report["compiling_requests"] = len(self._compiling)
+        report["idle"] = report["idle"] and not self._compiling
+        return report
+
+    def _make_pool_resident(self) -> int:
+        if self._compiling:
+            raise ValueError("the KV pool can be made resident only while no request is pending")
+        return diagnostics.make_pool_resident(self.engine)
 
     def _send_outputs(self, step_outputs: list) -> None:
         engine = self.engine
