@@ -1,16 +1,17 @@
 """`python -m benchmarks.soak`: many requests through a real HTTP server, then the leak checks.
 
-The server runs in this process (uvicorn on a thread) and, by default, the engine in its own
-process, as `pagedllm serve` runs it (engine/core_client.py; `--no-engine-process`: the engine
-in this process too, its loop on a thread). After the load the engine itself is inspected (in its
-process, through the calls of engine/diagnostics.py): failed requests (from the `bench serve`
-client), then, once idle, the scheduler's and pool's integrity check, the blocks still held (KV
-usage must be 0: blocks kept for the prefix cache count as free), requests left in the engine,
-and the resident memory (RSS) and the number of Python objects of each process (the server's and
-the engine's, or the one) after a warm-up and after each of `--rounds` rounds of the requests (4
-by default), read once the engine is idle. Meanwhile a dashboard page's polls of /debug/kv (with
-the integrity check) run twice a second, from before the warm-up to the end, and every one must
-pass. An engine process restarted during the soak fails it (its readings are another process's).
+The server runs in this process (uvicorn on a thread), the `bench serve` client in a spawned
+process of its own, and, by default, the engine in its own process, as `pagedllm serve` runs it
+(engine/core_client.py; `--no-engine-process`: the engine in this process too, its loop on a
+thread). After the load the engine itself is inspected (in its process, through the calls of
+engine/diagnostics.py): failed requests (from the `bench serve` client), then, once idle, the
+scheduler's and pool's integrity check, the blocks still held (KV usage must be 0: blocks kept
+for the prefix cache count as free), requests left in the engine, and the resident memory (RSS)
+and the number of Python objects of each process (the server's and the engine's, or the one)
+after a warm-up and after each of `--rounds` rounds of the requests (4 by default), read once
+the engine is idle. Meanwhile a dashboard page's polls of /debug/kv (with the integrity check)
+run twice a second, from before the warm-up to the end, and every one must pass. An engine
+process restarted during the soak fails it (its readings are another process's).
 
 Before the warm-up the KV pool is made resident (its pages written, every block's object made),
 so that the pool's first use is not counted as growth. `--trim-heap` returns the C heap's free
@@ -24,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import sys
 import time
 from typing import Any
@@ -99,6 +102,30 @@ class ProcessMemory:
             "python_objects_growth": self.objects[-1] - self.objects[0],
             "object_types_grown": dict(type_growth(self.types[0], self.types[-1], top)),
         }
+
+
+def _run_load(url: str, requests: list, name: str, max_concurrency: int) -> dict[str, Any]:
+    from pagedllm.bench.serve import run_benchmark
+
+    return asyncio.run(run_benchmark(url, requests, name, math.inf, max_concurrency))
+
+
+class LoadClient:
+    """The `bench serve` client in a spawned process of its own, used for every round: the
+    server's process then holds the server (and the dashboard poller's thread), and its RSS
+    readings are not the client's."""
+
+    def __enter__(self) -> LoadClient:
+        context = multiprocessing.get_context("spawn")
+        self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+    def run(self, url: str, requests: list, name: str, max_concurrency: int) -> dict[str, Any]:
+        """One round's requests; its `bench serve` summary."""
+        return self._pool.submit(_run_load, url, requests, name, max_concurrency).result()
 
 
 def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -182,7 +209,6 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
 def _load(ns: argparse.Namespace, target):
     """The warm-up, then the rounds, memory read after each; the leak checks at the end."""
-    from pagedllm.bench.serve import run_benchmark
     from pagedllm.bench.workload import workload_from_tokenizer
 
     info = target.info
@@ -209,10 +235,14 @@ def _load(ns: argparse.Namespace, target):
         return line
 
     started = time.perf_counter()
-    with serve_in_thread(target.async_engine, name) as url, DashboardPoller(url) as dashboard:
+    with (
+        serve_in_thread(target.async_engine, name) as url,
+        DashboardPoller(url) as dashboard,
+        LoadClient() as client,
+    ):
         # The dashboard polls from before the warm-up: its own state is in the baseline.
         if warmup:
-            asyncio.run(run_benchmark(url, warmup, name, math.inf, ns.max_concurrency))
+            client.run(url, warmup, name, ns.max_concurrency)
         target.wait_idle()
         read(by_type=True)
         print(f"{len(requests)} requests in {ns.rounds} rounds, "
@@ -221,8 +251,7 @@ def _load(ns: argparse.Namespace, target):
         bounds = [len(requests) * k // ns.rounds for k in range(ns.rounds + 1)]
         parts = []
         for lo, hi in zip(bounds, bounds[1:], strict=False):
-            run = run_benchmark(url, requests[lo:hi], name, math.inf, ns.max_concurrency)
-            parts.append(asyncio.run(run))
+            parts.append(client.run(url, requests[lo:hi], name, ns.max_concurrency))
             target.wait_idle()
             line = read(by_type=len(parts) == ns.rounds)
             print(f"round {len(parts)}/{ns.rounds}: {hi} requests, {line}, "
