@@ -38,14 +38,9 @@ from benchmarks.soak_targets import (
     DashboardPoller,
     EngineProcess,
     InProcessEngine,
-    leak_report,
     serve_in_thread,
-    wait_idle,
 )
 from pagedllm.config import EngineArgs
-from pagedllm.engine.diagnostics import make_pool_resident, rss_bytes
-
-__all__ = ["leak_report", "make_pool_resident", "rss_bytes", "serve_in_thread", "wait_idle"]
 
 
 def type_growth(before: collections.Counter[str], after: collections.Counter[str],
@@ -305,34 +300,34 @@ def _report(ns, parts, memory, leaks, dashboard, resident_bytes, restarts) -> in
     scalars = ("rss_start_mib", "rss_end_mib", "rss_growth_mib", "rss_growth_pct",
                "rss_second_half_growth_mib")  # fmt: skip
     trimmed = " (after malloc_trim)" if ns.trim_heap else ""
-    if one:
-        for key in scalars:
-            print(f"{key + ':':<40}{result[key]:>12.2f}")
-        print(f"RSS after warm-up, then each round{trimmed} (MiB):")
-        print("  " + " ".join(f"{r:.1f}" for r in result["rss_after_rounds_mib"]))
-        if ns.trim_heap:
-            print("RSS, same points, before malloc_trim (MiB):")
-            print("  " + " ".join(f"{r:.1f}" for r in result["rss_before_trim_after_rounds_mib"]))
-        print("Python objects after warm-up, then each round:")
-        print("  " + " ".join(str(n) for n in memory[""].objects))
-    else:
-        columns = [*memory, "total"]
+    # One column per process, and their total; the one process of --no-engine-process has
+    # unprefixed fields and no header.
+    columns = [""] if one else [*memory, "total"]
+
+    def field(column: str, key: str):
+        return result[f"{column}_{key}" if column else key]
+
+    def row(column: str) -> str:
+        return f"  {column:<8}" if column else "  "
+
+    def series(title: str, key: str, names) -> None:
+        print(title)
+        for c in names:
+            print(row(c) + " ".join(f"{r:.1f}" for r in field(c, key)))
+
+    if not one:
         print(f"{'':<40}" + "".join(f"{c:>12}" for c in columns))
-        for key in scalars:
-            print(f"{key + ':':<40}" + "".join(f"{result[f'{c}_{key}']:>12.2f}" for c in columns))
+    for key in scalars:
+        print(f"{key + ':':<40}" + "".join(f"{field(c, key):>12.2f}" for c in columns))
+    if not one:
         print(f"engine process pids: {', '.join(map(str, result['engine_pids']))}")
-        series = [("RSS after warm-up, then each round{trimmed} (MiB):", "rss_after_rounds_mib",
-                   columns)]  # fmt: skip
-        if ns.trim_heap:
-            series.append(("RSS, same points, before malloc_trim (MiB):",
-                           "rss_before_trim_after_rounds_mib", list(memory)))  # fmt: skip
-        for title, key, names in series:
-            print(title.format(trimmed=trimmed))
-            for c in names:
-                print(f"  {c:<8}" + " ".join(f"{r:.1f}" for r in result[f"{c}_{key}"]))
-        print("Python objects after warm-up, then each round:")
-        for process, m in memory.items():
-            print(f"  {process:<8}" + " ".join(str(n) for n in m.objects))
+    series(f"RSS after warm-up, then each round{trimmed} (MiB):", "rss_after_rounds_mib", columns)
+    if ns.trim_heap:
+        series("RSS, same points, before malloc_trim (MiB):", "rss_before_trim_after_rounds_mib",
+               memory)  # fmt: skip
+    print("Python objects after warm-up, then each round:")
+    for process, m in memory.items():
+        print(row(process) + " ".join(str(n) for n in m.objects))
     for process, m in memory.items():
         which = f", {process} process" if process else ""
         grown = type_growth(m.types[0], m.types[-1], ns.top_types)

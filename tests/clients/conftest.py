@@ -16,7 +16,7 @@ os.environ.setdefault("LANGSMITH_TRACING", "false")  # LangChain's tracing would
 import openai  # noqa: E402
 import pytest  # noqa: E402
 
-from benchmarks.soak import serve_in_thread  # noqa: E402
+from benchmarks.soak_targets import serve_in_thread  # noqa: E402
 from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from benchmarks.soak import serve_in_thread
+from benchmarks.soak_targets import serve_in_thread
 from pagedllm import SamplingParams
 from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.engine.dp_client import DataParallelClient, prefix_keys

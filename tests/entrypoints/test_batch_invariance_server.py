@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.soak import serve_in_thread
+from benchmarks.soak_targets import serve_in_thread
 from pagedllm import EngineArgs, kernels
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine

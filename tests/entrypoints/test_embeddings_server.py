@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from benchmarks.soak import serve_in_thread
+from benchmarks.soak_targets import serve_in_thread
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from benchmarks.soak import serve_in_thread
+from benchmarks.soak_targets import serve_in_thread
 from pagedllm import SamplingParams
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.llm_engine import LLMEngine

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from benchmarks.soak import serve_in_thread
+from benchmarks.soak_targets import serve_in_thread
 from pagedllm.config import EngineArgs
 from pagedllm.engine import output_processor
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine

