@@ -7,10 +7,12 @@ default model (slow)."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 
 from pagedllm import LLM, SamplingParams, kernels
 from tests.conftest import save_tiny_llama
+from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
 
@@ -19,10 +21,16 @@ TARGET = [(11 * j) % 120 + 3 for j in range(37)]  # 37 tokens: blocks of 16 and 
 OTHERS = [[(7 * i + 13 * j) % 120 + 3 for j in range(3 + (17 * i) % 60)] for i in range(31)]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "auto"])
 def tiny(request, tmp_path_factory):
-    """(path, dtype): float32 by default, bfloat16 with --deterministic."""
+    """(path, dtype): float32 by default, bfloat16 with --deterministic; auto: a Q4_1 GGUF with
+    no flag, the integer products of the default path (layers/quantization/int8_act.py)."""
     path = tmp_path_factory.mktemp("tiny-llama-invariance")
+    if request.param == "auto":
+        weights = random_hf_weights(len(gpt2_vocab()[0]), seed=5)
+        return str(
+            write_tiny_llama(path / "q4_1.gguf", weights, gguf.GGMLQuantizationType.Q4_1)
+        ), "auto"
     save_tiny_llama(path, seed=5, max_position_embeddings=512)
     return str(path), request.param
 
@@ -32,9 +40,11 @@ def make_llm(tiny, **kwargs):
     kwargs.setdefault("max_model_len", 256)
     # A small pool: 4 GiB of this model's blocks would be millions of blocks to set up.
     kwargs.setdefault("kv_cache_memory", "64MiB")
-    if dtype != "float32":
+    if dtype == "bfloat16":
         kwargs["deterministic"] = True
-    return LLM(model=path, dtype=dtype, **kwargs)
+    llm = LLM(model=path, dtype=dtype, **kwargs)
+    assert (llm.llm_engine.config.model.quantization == "int8_act") == (dtype == "auto")
+    return llm
 
 
 def greedy(n=24):
@@ -100,10 +110,9 @@ def test_seeded_sampling_same_alone_and_batched(tiny):
 
 @pytest.mark.slow
 def test_default_model_same_alone_batched_and_cached():
-    # deterministic=True: the default where bfloat16 is emulated, opt-in where it is native.
-    llm = LLM(
-        kv_cache_memory="256MiB", max_model_len=512, enable_prefix_caching=True, deterministic=True
-    )
+    # No flag: the default's integer products are batch invariant by construction.
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=512, enable_prefix_caching=True)
+    assert llm.llm_engine.config.model.quantization == "int8_act"
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     first = run(llm, params)
     assert run(llm, params, OTHERS[:7]) == first  # beside others, and a prefix-cache hit

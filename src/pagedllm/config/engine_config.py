@@ -27,7 +27,7 @@ class ModelConfig:
     dtype: str  # the weights' and the KV cache's: "float32", "bfloat16" or "float16"
     max_model_len: int
     seed: int
-    quantization: str  # auto | none | int8 | int4
+    quantization: str  # auto | none | int8 | int4 | int8_act (the integer default on CPU)
     enforce_eager: bool
     # Batch invariant: the CPU kernels' fixed-order products and attention (docs/determinism.md)
     deterministic: bool = False
@@ -159,7 +159,10 @@ class EngineConfig:
         if kv_cache_memory is None and device == "cpu":
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
         swap = int(args.swap_space * 2**30) if args.preemption_mode == "swap" else 0
+        integer = _integer_products(args, arch, device)
         dtype = auto_dtype if args.dtype == "auto" else _DTYPE_NAMES.get(args.dtype, args.dtype)
+        if integer:  # the activations between the integer products: float32 (docs/numerics.md)
+            dtype = "float32"
         return cls(
             model=ModelConfig(
                 args.model,
@@ -169,7 +172,7 @@ class EngineConfig:
                 dtype,
                 max_model_len,
                 args.seed,
-                args.quantization,
+                "int8_act" if integer else args.quantization,
                 args.enforce_eager,
                 _deterministic(
                     args.deterministic, dtype, device, args.attention_backend, native_bf16
@@ -215,6 +218,19 @@ class EngineConfig:
             lora=_lora(args),
             kv_events=KVEventsConfig.parse(args.kv_events_config),
         )
+
+
+def _integer_products(args: EngineArgs, arch: ModelArchConfig, device: str) -> bool:
+    """The default for a GGUF's codes on CPU (--dtype auto, --quantization auto): multiplied on
+    the codes with 8-bit activations in integers. An explicit --dtype keeps float products on
+    the dequantized codes (float32: exact against transformers)."""
+    return (
+        args.dtype == "auto"
+        and args.quantization == "auto"
+        and device == "cpu"
+        and arch.quantized_codes
+        and not arch.is_encoder
+    )
 
 
 def _runner(runner: str, arch: ModelArchConfig) -> str:

@@ -55,6 +55,9 @@ class ModelArchConfig:
     # number of token types (only type 0 is used).
     is_encoder: bool = False
     layer_norm_eps: float = 1e-12
+    # The checkpoint holds weights in codes pagedllm multiplies as they are (a GGUF's Q4_0,
+    # Q4_1, Q4_K or Q8_0 tensors): --dtype auto multiplies them in integers on CPU.
+    quantized_codes: bool = False
     type_vocab_size: int = 2
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:

@@ -27,9 +27,10 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
     for name in ("paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp", "quant_linear.cpp",
-                 "dense_linear.cpp", "decoder.cpp", "lora.cpp")
+                 "dense_linear.cpp", "decoder.cpp", "lora.cpp", "int8_act_linear.cpp",
+                 "int8_act_avx512_vnni.cpp", "int8_act_avx2.cpp")
 ]  # fmt: skip
-HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h", CSRC / "linear_tiles.h"]
+HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h", CSRC / "linear_tiles.h", CSRC / "int8_act.h"]
 
 
 def _capability_flags() -> list[str]:

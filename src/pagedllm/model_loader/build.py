@@ -18,6 +18,7 @@ from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization import (
     DualLinearMethod,
     Int4LinearMethod,
+    Int8ActLinearMethod,
     Int8LinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
@@ -50,7 +51,7 @@ def build_model(
     t0 = time.perf_counter()
     dtype = getattr(torch, model_config.dtype)
     method = model_config.quantization
-    if method == "auto" and (device.type != "cpu" or not kernels.available()):
+    if method in ("auto", "int8_act") and (device.type != "cpu" or not kernels.available()):
         method = "none"  # the codes kernels are pagedllm's CPU ones
     elif method != "none":
         _check_quantized_device(method, device)
@@ -76,7 +77,7 @@ def build_model(
         prepack=can_pack(dtype, device) and not deterministic,
         fixed_order=deterministic,
         layers_with_codes=layers_with_codes(codes, packed, method, tied),
-        code_kinds=code_layer_kinds(codes, packed, tied) if method == "auto" else {},
+        code_kinds=code_layer_kinds(codes, packed, tied) if method in ("auto", "int8_act") else {},
     )
     with torch.device(device):
         backend = get_attention_backend(attention_backend, device, deterministic)
@@ -87,8 +88,8 @@ def build_model(
         raise ValueError(f"{loaded.source or loaded.name}: {e}") from None
     loaded.weights.clear()
     loaded.quant_codes.clear()
-    _log_weights(model, method, dtype)
     num_bytes = process_weights_after_loading(model, quant_config)
+    _log_weights(model, method, dtype)
     if not model_config.enforce_eager and device.type == "cpu":
         _fuse_decoder(model)
     logger.info(
@@ -132,6 +133,9 @@ def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
     """What the loaded weights take; for a quantized model, against the float model's bytes."""
     num_bytes = weight_bytes(model)
     dtype_name = str(dtype).removeprefix("torch.")
+    if method == "int8_act":
+        _log_int8_act(model, num_bytes)
+        return
     dual = [
         (m, m.quant_method)
         for m in model.modules()
@@ -169,6 +173,29 @@ def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
     )  # fmt: skip
     if exact:
         logger.info("%d weights taken from the GGUF's blocks as they are", exact)
+
+
+def _log_int8_act(model: nn.Module, num_bytes: int) -> None:
+    """The integer path (the default for a GGUF's codes on CPU): which layers, which kernel,
+    and what stays float."""
+    integer, kept = [], []
+    for name, module in model.named_modules():
+        m = getattr(module, "quant_method", None)
+        if isinstance(m, Int8ActLinearMethod):
+            integer.append(m.nbytes(module))
+        elif isinstance(m, UnquantizedLinearMethod):
+            kept.append(name)
+    variant = kernels.cpu_ops().int8_act_variants()[0]
+    logger.info(
+        "weights: %.1f MiB, of which %.1f MiB are the GGUF's codes of %d layers, multiplied in "
+        "integers with 8-bit activations (%s kernel; --dtype float32: exact float products)",
+        num_bytes / 2**20, sum(integer) / 2**20, len(integer), variant,
+    )  # fmt: skip
+    if kept:
+        logger.info(
+            "float32 weights (types without an integer kernel): %s",
+            ", ".join(kept) if len(kept) <= 8 else f"{len(kept)} layers ({kept[0]}, ...)",
+        )
 
 
 def _fuse_decoder(model: nn.Module) -> None:

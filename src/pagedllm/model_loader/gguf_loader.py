@@ -276,6 +276,7 @@ def _config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
         sliding_window=sliding_window,
+        quantized_codes=any(code_kind(t.tensor_type) is not None for t in tensors.values()),
         **_arch_options(meta, arch, tensors, head_dim),
     )
     config.rope_scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))

@@ -21,6 +21,7 @@ from pagedllm.layers.quantization import (
     MAX_GEMV_ROWS,
     DualLinearMethod,
     Int4LinearMethod,
+    Int8ActLinearMethod,
     Int8LinearMethod,
     UnquantizedLinearMethod,
 )
@@ -56,6 +57,9 @@ def _linear(layer: nn.Module, dtype: torch.dtype):
 def _by_method(layer: nn.Module, dtype: torch.dtype):
     ops, method = kernels.cpu_ops(), layer.quant_method
     bias = None if layer.bias is None else layer.bias.detach()
+    if isinstance(method, Int8ActLinearMethod):
+        codes = [t for t in method.codes(layer) if t is not None]
+        return ops.Linear.int8_act(codes, layer.output_size_per_partition, bias)
     if isinstance(method, (DualLinearMethod, Int4LinearMethod, Int8LinearMethod)):
         bits = method.codes_method.bits if isinstance(method, DualLinearMethod) else method.bits
         codes = getattr(ops.Linear, f"int{bits}")(*method.codes(layer), bias)

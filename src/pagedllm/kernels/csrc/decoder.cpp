@@ -55,13 +55,16 @@ struct LoRA {
 
 // One projection, as the Python layer it stands for computes it.
 struct Linear {
-  enum Kind { kDense, kPacked, kInt4, kInt8 };
+  enum Kind { kDense, kPacked, kInt4, kInt8, kInt8Act };
   Kind kind;
-  std::vector<at::Tensor> weights;  // dense/packed: {weight}; int4: {codes, scales, mins}; int8: {codes, scales}
+  // dense/packed: {weight}; int4: {codes, scales, mins}; int8: {codes, scales};
+  // int8_act: {repacked codes, scales[, mins]} of `rows` outputs (int8_act.h)
+  std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
   // Codes and a float copy (layers/quantization/dual.py): above max_code_rows rows, the copy.
   std::shared_ptr<const Linear> many_rows;
   int64_t max_code_rows = 0;
+  int64_t rows = 0;  // int8_act: output rows
 
   // Batch invariant (--deterministic): float32 products in the fixed-order kernels, a bfloat16 x
   // widened to float32 before and the result rounded after, as layers/quantization does; but
@@ -91,6 +94,10 @@ struct Linear {
       case kPacked: return packed_linear(x, weights[0], bias);
       case kInt4: return with_bias(int4_linear(x, weights[0], weights[1], weights[2]));
       case kInt8: return with_bias(int8_linear(x, weights[0], weights[1]));
+      case kInt8Act: {
+        const std::optional<at::Tensor> mins = weights.size() > 2 ? std::optional(weights[2]) : std::nullopt;
+        return with_bias(int8_act_linear(x, weights[0], weights[1], mins, mins ? 4 : 8, rows, ""));
+      }
     }
     TORCH_CHECK(false, "unknown linear kind");
   }
@@ -188,6 +195,11 @@ void register_decoder(pybind11::module& m) {
       })
       .def_static("int8", [](at::Tensor q, at::Tensor s, Bias b) {
         return Linear{Linear::kInt8, {q, s}, b};
+      })
+      .def_static("int8_act", [](std::vector<at::Tensor> codes, int64_t rows, Bias b) {
+        Linear linear{Linear::kInt8Act, std::move(codes), b};
+        linear.rows = rows;
+        return linear;
       })
       .def_static("fixed_order", [](Linear linear) {
         linear.fixed_order = true;

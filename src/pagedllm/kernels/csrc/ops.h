@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 
 namespace pagedllm {
 
@@ -39,5 +40,10 @@ bool int4_takes_bf16(int64_t K);  // bfloat16 x of K columns: bf16 dot products,
 void int4_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);
 void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales);
+
+// int8_act_linear.cpp
+at::Tensor int8_act_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t bits, int64_t n,
+                           const std::string& variant);
 
 }  // namespace pagedllm

@@ -412,6 +412,7 @@ void register_dense_linear(pybind11::module& m);  // dense_linear.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
 void register_kv_cache(pybind11::module& m);  // kv_cache.cpp
 void register_lora(pybind11::module& m);  // lora.cpp
+void register_int8_act(pybind11::module& m);  // int8_act_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_norm_rotary(m);
@@ -420,6 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decoder(m);
   register_kv_cache(m);
   register_lora(m);
+  register_int8_act(m);
   m.attr("vec_size") = static_cast<int64_t>(pagedllm::Vec::size());  // head_dim must be a multiple
   m.attr("max_head_dim") = static_cast<int64_t>(pagedllm::kMaxHeadVecs * pagedllm::Vec::size());
   // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.

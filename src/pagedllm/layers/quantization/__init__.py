@@ -1,5 +1,6 @@
 """Each linear layer's weight format (its quant_method): float (unquantized.py; prepacked for
-oneDNN in bfloat16 on CPU), weight-only int8 / int4 codes (int_linear.py, codes.py), or a GGUF's
+oneDNN in bfloat16 on CPU), weight-only int8 / int4 codes (int_linear.py, codes.py), a GGUF's
+codes multiplied in integers with 8-bit activations (int8_act.py, the default on CPU), or its
 codes beside its float weights (dual.py), chosen per layer by QuantizationConfig (config.py)
 when the model is built."""
 
@@ -18,6 +19,7 @@ from pagedllm.layers.quantization.config import (
     layers_with_codes,
 )
 from pagedllm.layers.quantization.dual import DualLinearMethod
+from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod
 from pagedllm.layers.quantization.int_linear import (
     MAX_GEMV_ROWS,
     Int4LinearMethod,
@@ -28,6 +30,7 @@ from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, ca
 __all__ = [
     "BLOCK",
     "DualLinearMethod",
+    "Int8ActLinearMethod",
     "MAX_GEMV_ROWS",
     "Int4LinearMethod",
     "Int4Weight",

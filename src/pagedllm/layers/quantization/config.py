@@ -12,15 +12,20 @@ from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.layers.quantization.codes import BLOCK, Int4Weight, Int8Weight
 from pagedllm.layers.quantization.dual import DualLinearMethod
+from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod
 from pagedllm.layers.quantization.int_linear import Int4LinearMethod, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 METHODS = {"int4": Int4LinearMethod, "int8": Int8LinearMethod}
+# What --quantization auto becomes (model_loader/build.py): int8_act, the checkpoint's codes
+# multiplied in integers (--dtype auto on CPU), or auto, its codes beside a float copy.
+RESOLVED_METHODS = (*QUANTIZATION_METHODS, "int8_act")
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    # none | int8 | int4 | auto (the checkpoint's codes beside the float weights: dual.py)
+    # none | int8 | int4 | auto (the checkpoint's codes beside the float weights: dual.py) |
+    # int8_act (the checkpoint's codes times 8-bit activations in integers: int8_act.py)
     method: str = "none"
     prepack: bool = False  # float weights prepacked for oneDNN (unquantized.can_pack)
     # Layers (by prefix) that take the checkpoint's own codes: see layers_with_codes.
@@ -30,7 +35,7 @@ class QuantizationConfig:
     fixed_order: bool = False  # batch-invariant products (--deterministic)
 
     def __post_init__(self):
-        if self.method not in QUANTIZATION_METHODS:
+        if self.method not in RESOLVED_METHODS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                 f"got {self.method!r}"
@@ -41,7 +46,7 @@ class QuantizationConfig:
         groups of 32 stays float; a tied LM head gets int8 whatever the method (int4 would cost
         the most accuracy on the logits): decode reads it every step, and 8 bits are half of
         bfloat16's bytes, while the float embedding stays for the lookups."""
-        if self.method == "auto":
+        if self.method in ("auto", "int8_act"):
             return self._dual_or_float(layer, prefix)
         quantized = self.method != "none"
         if not quantized or layer.input_size % BLOCK:
@@ -59,13 +64,16 @@ class QuantizationConfig:
         return method(prefix in self.layers_with_codes, layer.tied, self.fixed_order)
 
     def _dual_or_float(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
-        """The checkpoint's codes beside the float weight where it has codes for the layer and
-        this rank's columns are whole groups of them; the float weight alone elsewhere."""
+        """Where the checkpoint has codes for the layer and this rank's columns are whole groups
+        of them: the codes in integers (int8_act) or beside the float weight (auto); the float
+        weight alone elsewhere."""
         kind = self.code_kinds.get(prefix)
         start, size = layer.input_start, layer.input_size_per_partition
         if kind is None or start % BLOCK or size % BLOCK:
             return UnquantizedLinearMethod(self.prepack, self.fixed_order)
         codes = METHODS[kind](takes_codes=True, tied=layer.tied, fixed_order=self.fixed_order)
+        if self.method == "int8_act":
+            return Int8ActLinearMethod(codes)
         return DualLinearMethod(codes, self.prepack, layer.tied)
 
 

@@ -1,0 +1,89 @@
+// Integer products of quantized weights with 8-bit activations (int8_act_linear.cpp), shared by
+// the instruction-set files (int8_act_avx512_vnni.cpp, int8_act_avx2.cpp) and the reference.
+//
+// Activations: each row of x, per block of 32 columns, as Q8_0 does: d = max|x| / 127,
+// q = round-to-nearest-even(x * (1 / d)) in -127..127, and the block's sum of q. A row's codes
+// depend on that row alone, so a row quantizes the same in a batch of any size.
+//
+// Weights, repacked once at load (layers/quantization/int8_act.py) into tiles of kTile = 16
+// output rows, the tile's rows interleaved 4 bytes at a time, so that one 32-bit lane of a
+// 512-bit register holds one output row's four codes and a dot-product instruction (vpdpbusd,
+// or vpmaddubsw + vpmaddwd) sums four products per output row:
+//   int4 (w = q * scale + min, q in 0..15): codes [tiles][blocks][4 chunks][16 rows][4 bytes];
+//        chunk j's byte i of a row holds code 4j + i in its low nibble and 16 + 4j + i in its
+//        high nibble (a ggml Q4 block's 16 bytes cut into four).
+//   int8 (w = q * scale, q in -127..127): codes [tiles][blocks][8 chunks][16 rows][4 bytes],
+//        each byte q + 128 (unsigned, for vpdpbusd; the 128 * sum(x) it adds is taken back).
+//   scales (and int4's mins): float16 [tiles][blocks][16 rows].
+//
+// Every output takes one fixed sequence of float operations whatever the variant, the row count
+// or the tile's place (see finish_block): per block in order, the block's exact int32 sum isum,
+//   acc = fma(float(isum), scale * d, acc)                   then, for int4,
+//   acc = fma(min, d * float(sum_q), acc)
+// so every variant's result equals the reference's bit for bit, and a row's result does not
+// depend on the other rows of the step.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace pagedllm {
+namespace int8_act {
+
+constexpr int64_t kBlock = 32;  // activation and weight block: one scale per 32 columns
+constexpr int64_t kTile = 16;   // output rows interleaved in the weight layout
+
+// Quantized activations: M rows of K columns (K a multiple of kBlock).
+struct Activations {
+  const int8_t* q;     // [M][K]
+  const float* d;      // [M][K / 32]
+  const int32_t* sum;  // [M][K / 32]
+  int64_t K;
+};
+
+// Repacked weights (see above).
+struct Weights {
+  const uint8_t* codes;
+  const uint16_t* scales;  // float16 bits
+  const uint16_t* mins;    // float16 bits; int4 only
+  int bits;                // 4 or 8
+  int64_t K, N;            // N: real output rows (the last tile may be partly padding)
+  int64_t blocks() const { return K / kBlock; }
+  int64_t tile_bytes() const { return blocks() * kBlock * kTile * bits / 8; }
+};
+
+// y[m * ldy + n] for m < M and the tiles [t0, t1) (only n < N written), float32.
+using TileKernel = void (*)(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1,
+                            float* y, int64_t ldy);
+
+void tiles_reference(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                     int64_t ldy);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDLLM_INT8_ACT_VNNI512 1
+void tiles_avx512_vnni(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                       int64_t ldy);
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define PAGEDLLM_INT8_ACT_AVX2 1
+void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                int64_t ldy);
+#endif
+
+// float16 bits -> float (exact), for the reference.
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const int exp = (h >> 10) & 0x1F;
+  const uint32_t mant = h & 0x3FF;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(mant), -24);  // zero or subnormal
+  } else if (exp == 31) {
+    f = mant ? NAN : INFINITY;
+  } else {
+    f = std::ldexp(static_cast<float>(mant | 0x400), exp - 25);
+  }
+  return sign ? -f : f;
+}
+
+}  // namespace int8_act
+}  // namespace pagedllm

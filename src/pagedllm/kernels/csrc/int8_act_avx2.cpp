@@ -1,0 +1,125 @@
+// int8_act.h's tiles with AVX2: vpmaddubsw (unsigned code x signed activation, pairs summed to
+// 16 bits) then vpmaddwd by ones (to 32 bits), eight output rows per 256-bit register, a tile
+// as two halves. int8 codes are made signed again and their signs moved onto the activations
+// (|q| * sign(x, q)), so no pair can saturate 16 bits: 2 * 128 * 127 < 32768.
+
+#include "int8_act.h"
+
+#ifdef PAGEDLLM_INT8_ACT_AVX2
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace pagedllm {
+namespace int8_act {
+namespace {
+
+constexpr int64_t kRowChunk = 64;
+constexpr int64_t kAhead = 1024;
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int R, int kBits>
+inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, float* y, int64_t ldy) {
+  const int64_t blocks = w.blocks(), K = w.K;
+  const uint8_t* codes = w.codes + t * w.tile_bytes();
+  const uint16_t* scales = w.scales + t * blocks * kTile;
+  const uint16_t* mins = kBits == 4 ? w.mins + t * blocks * kTile : nullptr;
+  constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* cb = codes + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kBits == 4) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xb = x.q + (m + r) * K + b * kBlock;
+            // Each pair is at most 2 * 15 * 127: two chunks' pairs add in 16 bits.
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)),
+                                               _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+          }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
+          const __m256i q = _mm256_xor_si256(v, flip);  // the signed code
+          const __m256i a = _mm256_abs_epi8(q);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xs = _mm256_sign_epi8(broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j), q);
+            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kTile + h * 8)));
+      for (int r = 0; r < R; ++r) {
+        const float xd = x.d[(m + r) * blocks + b];
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[r][h]);
+      }
+      if constexpr (kBits == 4) {
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kTile + h * 8)));
+        for (int r = 0; r < R; ++r) {
+          const float xs = x.d[(m + r) * blocks + b] * static_cast<float>(x.sum[(m + r) * blocks + b]);
+          acc[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs), acc[r][h]);
+        }
+      }
+    }
+  }
+  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
+  for (int r = 0; r < R; ++r) {
+    float* out = y + (m + r) * ldy + t * kTile;
+    if (live == kTile) {
+      _mm256_storeu_ps(out, acc[r][0]);
+      _mm256_storeu_ps(out + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[kTile];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(out, tmp, live * sizeof(float));
+    }
+  }
+}
+
+template <int kBits>
+void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t end = std::min(M, m0 + kRowChunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m = m0;
+      for (; m + 2 <= end; m += 2) rows_tile<2, kBits>(x, m, w, t, y, ldy);
+      if (m < end) rows_tile<1, kBits>(x, m, w, t, y, ldy);
+    }
+  }
+}
+
+}  // namespace
+
+void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                int64_t ldy) {
+  if (w.bits == 4)
+    tiles<4>(x, M, w, t0, t1, y, ldy);
+  else
+    tiles<8>(x, M, w, t0, t1, y, ldy);
+}
+
+}  // namespace int8_act
+}  // namespace pagedllm
+#endif

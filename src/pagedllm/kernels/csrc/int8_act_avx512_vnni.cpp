@@ -1,0 +1,112 @@
+// int8_act.h's tiles with AVX512-VNNI: vpdpbusd sums four unsigned-code x signed-activation
+// products into each 32-bit lane, one lane per output row of a tile. Zen 4 and Intel
+// Ice Lake / Sapphire Rapids and later have it.
+
+#include "int8_act.h"
+
+#ifdef PAGEDLLM_INT8_ACT_VNNI512
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace pagedllm {
+namespace int8_act {
+namespace {
+
+constexpr int64_t kRowChunk = 64;  // activation rows kept hot while a thread walks its tiles
+constexpr int64_t kAhead = 1024;   // bytes of codes fetched ahead of use (decode streams them)
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R activation rows from row m against tile t: y[(m + r) * ldy + 16 t + lane].
+template <int R, int kBits>
+inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, float* y, int64_t ldy) {
+  const int64_t blocks = w.blocks(), K = w.K;
+  const uint8_t* codes = w.codes + t * w.tile_bytes();
+  const uint16_t* scales = w.scales + t * blocks * kTile;
+  const uint16_t* mins = kBits == 4 ? w.mins + t * blocks * kTile : nullptr;
+  constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* cb = codes + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if constexpr (kBits == 4) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(cb + j * 64);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = x.q + (m + r) * K + b * kBlock;
+          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4(xb + 4 * j));
+          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, broadcast4(xb + 16 + 4 * j));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(cb + j * 64);
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm512_dpbusd_epi32(isum[r], v, broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j));
+      }
+      for (int r = 0; r < R; ++r)  // the codes carry +128: take back 128 * sum(x)
+        isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * x.sum[(m + r) * blocks + b]));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kTile)));
+    for (int r = 0; r < R; ++r) {
+      const float xd = x.d[(m + r) * blocks + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd)), acc[r]);
+    }
+    if constexpr (kBits == 4) {
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kTile)));
+      for (int r = 0; r < R; ++r) {
+        const float xs = x.d[(m + r) * blocks + b] * static_cast<float>(x.sum[(m + r) * blocks + b]);
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
+      }
+    }
+  }
+  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
+  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * ldy + t * kTile, mask, acc[r]);
+}
+
+template <int kBits>
+void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t end = std::min(M, m0 + kRowChunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m = m0;
+      for (; m + 4 <= end; m += 4) rows_tile<4, kBits>(x, m, w, t, y, ldy);
+      switch (end - m) {
+        case 3: rows_tile<3, kBits>(x, m, w, t, y, ldy); break;
+        case 2: rows_tile<2, kBits>(x, m, w, t, y, ldy); break;
+        case 1: rows_tile<1, kBits>(x, m, w, t, y, ldy); break;
+        default: break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void tiles_avx512_vnni(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                       int64_t ldy) {
+  if (w.bits == 4)
+    tiles<4>(x, M, w, t0, t1, y, ldy);
+  else
+    tiles<8>(x, M, w, t0, t1, y, ldy);
+}
+
+}  // namespace int8_act
+}  // namespace pagedllm
+#endif

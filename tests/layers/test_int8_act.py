@@ -1,0 +1,172 @@
+"""The integer kernels (kernels/csrc/int8_act*.cpp): 8-bit activations per row and block of 32
+against a GGUF's int4 / int8 codes. Every variant this CPU has equals the plain C++ reference
+bit for bit at every row count; the integer sums are exact (checked where every float step is
+exact too); the float result is within rounding of float64 arithmetic on the same quantized
+numbers; a row quantizes, and multiplies, the same in a batch of any size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import kernels
+from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.quantization import Int4Weight, Int8Weight, QuantizationConfig
+from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod, repack_int4, repack_int8
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+CODES = {4: Int4Weight, 8: Int8Weight}
+
+
+def ops():
+    return kernels.cpu_ops()
+
+
+def variants() -> list[str]:
+    return list(ops().int8_act_variants()) if kernels.available() else []
+
+
+def repacked(codes) -> tuple:
+    if isinstance(codes, Int4Weight):
+        from pagedllm.layers.quantization import pack_int4
+
+        return *repack_int4(pack_int4(codes.q), codes.scale.half(), codes.min.half()), 4
+    return *repack_int8(codes.q, codes.scale.half()), None, 8
+
+
+def product(x, codes, variant=""):
+    q, s, mn, bits = repacked(codes)
+    return ops().int8_act_linear(x, q, s, mn, bits, codes.shape[0], variant)
+
+
+def quantize_like_q8(x: torch.Tensor):
+    """The activation rule in torch: d = max|x| / 127 per block, q = round(x * (1 / d))."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 32, 32)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(m, k), d, q.sum(-1).to(torch.int32)
+
+
+def test_the_reference_is_always_there_and_the_cpu_variants_are_built():
+    names = variants()
+    assert names[-1] == "reference"
+    flags = kernels.cpu_flags()
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        assert "avx512_vnni" in names
+    if {"avx2", "f16c", "fma"} <= flags:
+        assert "avx2" in names
+
+
+def test_activation_quantization_is_q8_0s_rule_and_independent_of_the_batch():
+    torch.manual_seed(0)
+    x = torch.randn(257, 96) * torch.rand(257, 1) * 10
+    x[3, :32] = 0  # a block of zeros: scale 0, codes 0
+    q, d, s = ops().int8_act_quantize(x)
+    want_q, want_d, want_s = quantize_like_q8(x)
+    assert torch.equal(q, want_q) and torch.equal(d, want_d) and torch.equal(s, want_s)
+    assert d[3, 0] == 0 and not q[3, :32].any()
+    row = x[100:101]
+    for batch in (1, 2, 7, 64, 257):
+        others = torch.randn(batch, 96) * 50
+        at = batch // 2
+        xb = torch.cat([others[:at], row, others[at:]])[:batch]
+        if at >= batch:
+            continue
+        qb, db, sb = ops().int8_act_quantize(xb)
+        assert torch.equal(qb[at], q[100]) and torch.equal(db[at], d[100])
+        assert torch.equal(sb[at], s[100])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_sums_are_exact(bits):
+    """Integer x with a 127 in every block quantizes to itself (d = 1); unit scales and zero mins
+    leave y = the integer product, every partial sum exact in float32."""
+    torch.manual_seed(1)
+    n, k = 40, 128
+    x = torch.randint(-127, 128, (5, k)).float()
+    x[:, ::32] = 127
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        codes = Int4Weight(q, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    else:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        codes = Int8Weight(q, torch.ones(n, k // 32))
+    want = x.long() @ q.long().T
+    for variant in variants():
+        assert torch.equal(product(x, codes, variant), want.float()), variant
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_variant_equals_the_reference_at_every_row_count(bits):
+    torch.manual_seed(2)
+    n, k = 37, 96  # a partial last tile of 16 rows
+    codes = CODES[bits].from_float(torch.randn(n, k))
+    x = torch.randn(300, k) * 3
+    want = product(x, codes, "reference")
+    for variant in variants():
+        for rows in range(1, 301):
+            got = product(x[:rows], codes, variant)
+            assert torch.equal(got, want[:rows]), (variant, rows)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes_against_the_reference_and_float64(bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 300, (1,), generator=g))
+    k = 32 * int(torch.randint(1, 40, (1,), generator=g))
+    m = int(torch.randint(1, 70, (1,), generator=g))
+    codes = CODES[bits].from_float(torch.randn(n, k, generator=g))
+    codes.scale = codes.scale.half().float()  # the layer keeps float16 scales
+    if bits == 4:
+        codes.min = codes.min.half().float()
+    x = torch.randn(m, k, generator=g) * 4
+    want = product(x, codes, "reference")
+    for variant in variants():
+        assert torch.equal(product(x, codes, variant), want), variant
+    # Within rounding of the same quantized numbers in float64.
+    q, d, _ = quantize_like_q8(x)
+    xd = (q.double().reshape(m, k // 32, 32) * d.double()[..., None]).reshape(m, k)
+    exact = xd @ codes.dequantize().double().T
+    torch.testing.assert_close(
+        want.double(), exact, rtol=1e-5, atol=1e-4 * exact.abs().max().item()
+    )
+    # And close to the float product: 8-bit activations' error only.
+    err = (want - x @ codes.dequantize().T).abs().max() / exact.abs().max()
+    assert err < 0.03
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bfloat16_x_is_quantized_from_its_exact_value(bits):
+    torch.manual_seed(3)
+    codes = CODES[bits].from_float(torch.randn(64, 64))
+    x = torch.randn(9, 64).bfloat16()
+    got = product(x, codes)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, product(x.float(), codes).bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_layer_repacks_the_codes_and_keeps_nothing_else(bits):
+    torch.manual_seed(4)
+    n, k = 50, 64
+    codes = CODES[bits].from_float(torch.randn(n, k))
+    config = QuantizationConfig("int8_act", code_kinds={"w": f"int{bits}"})
+    layer = ColumnParallelLinear(k, n, True, torch.float32, config, prefix="w")
+    assert isinstance(layer.quant_method, Int8ActLinearMethod)
+    layer.weight_loader(layer.weight, codes)
+    bias = torch.randn(n)
+    layer.weight_loader(layer.bias, bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight") and not hasattr(layer, "weight_scale")
+    padded = 64  # 50 rows in tiles of 16: the codes' bytes, float16 scales (and mins)
+    assert layer.quant_method.nbytes(layer) == padded * k * bits // 8 + padded * k // 32 * 2 * (
+        2 if bits == 4 else 1
+    )
+    x = torch.randn(7, k)
+    codes.scale = codes.scale.half().float()
+    if bits == 4:
+        codes.min = codes.min.half().float()
+    assert torch.equal(layer(x), product(x, codes) + bias)
