@@ -11,8 +11,8 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.layers.linear import ColumnParallelLinear
-from pagedllm.layers.quantization import Int4Weight, Int8Weight, QuantizationConfig
-from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod, repack_int4, repack_int8
+from pagedllm.layers.quantization import Int4Weight, Int8Weight, QuantizationConfig, pack_int4
+from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
 CODES = {4: Int4Weight, 8: Int8Weight}
@@ -26,17 +26,24 @@ def variants() -> list[str]:
     return list(ops().int8_act_variants()) if kernels.available() else []
 
 
-def repacked(codes) -> tuple:
-    if isinstance(codes, Int4Weight):
-        from pagedllm.layers.quantization import pack_int4
-
-        return *repack_int4(pack_int4(codes.q), codes.scale.half(), codes.min.half()), 4
-    return *repack_int8(codes.q, codes.scale.half()), None, 8
+def layer_of(codes, bias=None):
+    """A layer holding `codes` as the engine loads them (layers/quantization/int8_act.py)."""
+    n, k = codes.shape
+    bits = 4 if isinstance(codes, Int4Weight) else 8
+    config = QuantizationConfig("int8_act", code_kinds={"w": f"int{bits}"})
+    layer = ColumnParallelLinear(k, n, bias is not None, torch.float32, config, prefix="w")
+    assert isinstance(layer.quant_method, Int8ActLinearMethod)
+    layer.weight_loader(layer.weight, codes)
+    if bias is not None:
+        layer.weight_loader(layer.bias, bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
 
 
 def product(x, codes, variant=""):
-    q, s, mn, bits = repacked(codes)
-    return ops().int8_act_linear(x, q, s, mn, bits, codes.shape[0], variant)
+    layer = layer_of(codes)
+    return ops().int8_act_linear(x, *layer.quant_method.codes(layer), layer.quant_method.bits,
+                                 codes.shape[0], variant)  # fmt: skip
 
 
 def quantize_like_q8(x: torch.Tensor):
@@ -89,7 +96,7 @@ def test_integer_sums_are_exact(bits):
     x[:, ::32] = 127
     if bits == 4:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        codes = Int4Weight(q, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+        codes = Int4Weight(pack_int4(q), torch.ones(n, k // 32), torch.zeros(n, k // 32))
     else:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         codes = Int8Weight(q, torch.ones(n, k // 32))
@@ -149,15 +156,17 @@ def test_bfloat16_x_is_quantized_from_its_exact_value(bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_layer_repacks_the_codes_and_keeps_nothing_else(bits):
+def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(bits):
+    """Slices written as they arrive (q, k, v parts at their rows; 50 rows: a partial tile)."""
     torch.manual_seed(4)
     n, k = 50, 64
     codes = CODES[bits].from_float(torch.randn(n, k))
+    bias = torch.randn(n)
+    whole = layer_of(codes, bias)
     config = QuantizationConfig("int8_act", code_kinds={"w": f"int{bits}"})
     layer = ColumnParallelLinear(k, n, True, torch.float32, config, prefix="w")
-    assert isinstance(layer.quant_method, Int8ActLinearMethod)
-    layer.weight_loader(layer.weight, codes)
-    bias = torch.randn(n)
+    for start, size in ((0, 13), (13, 20), (33, 17)):
+        layer.quant_method.load_weight(layer, codes.narrow(0, start, size), start)
     layer.weight_loader(layer.bias, bias)
     layer.quant_method.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight") and not hasattr(layer, "weight_scale")
@@ -165,8 +174,39 @@ def test_the_layer_repacks_the_codes_and_keeps_nothing_else(bits):
     assert layer.quant_method.nbytes(layer) == padded * k * bits // 8 + padded * k // 32 * 2 * (
         2 if bits == 4 else 1
     )
+    for a, b in zip(layer.quant_method.codes(layer), whole.quant_method.codes(whole), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
     x = torch.randn(7, k)
     codes.scale = codes.scale.half().float()
     if bits == 4:
         codes.min = codes.min.half().float()
-    assert torch.equal(layer(x), product(x, codes) + bias)
+    q, d, _ = quantize_like_q8(x)
+    xd = (q.double().reshape(7, k // 32, 32) * d.double()[..., None]).reshape(7, k)
+    want = xd @ codes.dequantize().double().T + bias.double()
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer(x), whole(x))
+
+
+def test_a_tied_heads_codes_serve_the_embeddings_lookups():
+    """Tied to an integer head with int8 codes, the embedding keeps no float copy: its rows are
+    gathered from the head's codes, the float rows bit for bit, and the checkpoint tensor it is
+    handed is only checked, never dequantized."""
+    from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    torch.manual_seed(5)
+    vocab, hidden = 70, 64
+    codes = Int8Weight.from_float(torch.randn(vocab, hidden))
+    codes.scale = codes.scale.half().float()
+    embedding = VocabParallelEmbedding(vocab, hidden)
+    config = QuantizationConfig("int8_act", code_kinds={"lm_head": "int8"})
+    head = ParallelLMHead(vocab, hidden, torch.float32, config, tied=True)
+    assert head.codes_hold_the_embedding()
+    head.tie_weights(embedding)
+    assert embedding.takes_codes and embedding.weight.numel() == 0
+    embedding.weight.weight_loader(embedding.weight, codes)  # a shape check only
+    with pytest.raises(ValueError):
+        embedding.weight.weight_loader(embedding.weight, codes.narrow(0, 0, 32))
+    head.weight_loader(head.weight, codes)
+    head.quant_method.process_weights_after_loading(head)
+    ids = torch.tensor([0, 1, 15, 16, 17, 33, 69, 5, 5])
+    assert torch.equal(embedding(ids), codes.dequantize()[ids])

@@ -195,24 +195,25 @@ def _gguf_reference(raw: np.ndarray, qtype) -> torch.Tensor:
 _Q = gguf.GGMLQuantizationType
 
 
-@pytest.mark.parametrize("qtype", [_Q.Q4_0, _Q.Q4_1, _Q.Q8_0])
+@pytest.mark.parametrize("qtype", [_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q5_0])
 def test_gguf_blocks_are_taken_exactly(qtype, backend):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((48, 96)) * 0.05 + 0.01).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
     ref = _gguf_reference(raw, qtype)
     codes = codes_from_gguf(raw, qtype)
-    assert isinstance(codes, Int8Weight if qtype == _Q.Q8_0 else Int4Weight)
+    int8 = qtype in (_Q.Q8_0, _Q.Q5_0)  # Q5_0: int8 codes q - 16 in -16..15
+    assert isinstance(codes, Int8Weight if int8 else Int4Weight)
     assert codes.q.shape == (48, 96)
     assert torch.equal(codes.dequantize(), ref)  # the same float32 weights, bit for bit
-    layer = quantized("int8" if qtype == _Q.Q8_0 else "int4", codes)
+    layer = quantized("int8" if int8 else "int4", codes)
     assert torch.equal(dequantized(layer), ref)  # float16 scales and mins lose nothing
     assert torch.equal(layer.quant_method.weight_as(layer, torch.float32), ref)
     for rows in (1, 5, MAX_GEMV_ROWS + 1):
         x = torch.randn(rows, 96)
         _check(layer(x), _reference(x, ref, None), torch.float32)
     with pytest.raises(ValueError, match="codes, not int"):
-        quantized("int4" if qtype == _Q.Q8_0 else "int8", codes)
+        quantized("int4" if int8 else "int8", codes)
 
 
 def test_gguf_q4_k_blocks_up_to_float16_scales():

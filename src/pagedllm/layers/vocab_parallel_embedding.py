@@ -14,9 +14,11 @@ from pagedllm.distributed import all_reduce, tp_group, vocab_shard
 from pagedllm.layers.linear import LinearBase, Loaded, Shard
 from pagedllm.layers.quantization import (
     DualLinearMethod,
+    Int8ActLinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
 )
+from pagedllm.layers.quantization.int8_act import TILE
 from pagedllm.layers.weight_utils import check_shape, narrow
 
 
@@ -30,6 +32,32 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
         self.tp_size = tp_group().size
+        self.dtype = dtype
+        self.head_codes: tuple[torch.Tensor, torch.Tensor] | None = None  # see gather_from
+        self.takes_codes = False  # models/utils.load_weights: hand this the checkpoint's codes
+
+    def gather_from(self, head: ParallelLMHead) -> None:
+        """Look rows up in a tied head's int8 codes (layers/quantization/int8_act.py's layout,
+        filled as the head loads) instead of a float copy: the same numbers (q * scale is exact
+        in float32), no bytes of its own, and the checkpoint's tensor is never dequantized. One
+        rank (the head's rows are then the whole vocabulary). `weight` becomes an empty
+        placeholder whose loader only checks the checkpoint's shape."""
+        codes, scales, _ = head.quant_method.codes(head)
+        tiles, blocks = scales.shape[:2]
+        self.head_codes = (codes.view(tiles, blocks, 8, TILE, 4), scales)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+        self.weight.weight_loader = lambda _, loaded, shard_id=None: check_shape(
+            loaded, (self.vocab_size, self.hidden_size)
+        )
+        self.takes_codes = True
+
+    def _rows_from_codes(self, input_ids: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.head_codes
+        tile, lane = input_ids // TILE, input_ids % TILE
+        q = codes[tile, :, :, lane, :].to(torch.int16) - 128  # [T, blocks, 8 chunks, 4]
+        scale = scales[tile, :, lane].float()  # [T, blocks]
+        rows = q.reshape(*scale.shape, 32).float() * scale[..., None]
+        return rows.reshape(-1, self.hidden_size).to(self.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         check_shape(loaded, (self.vocab_size, self.hidden_size))
@@ -38,6 +66,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[part.shape[0] :].zero_()  # padding rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.head_codes is not None:
+            return self._rows_from_codes(input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -70,8 +100,20 @@ class ParallelLMHead(LinearBase):
             quant_config=quant_config, prefix=prefix, tied=tied,
         )  # fmt: skip
 
+    def codes_hold_the_embedding(self) -> bool:
+        """Whether this tied head's codes can serve the embedding's lookups (gather_from)."""
+        method = self.quant_method
+        return (
+            self.tied
+            and isinstance(method, Int8ActLinearMethod)
+            and method.bits == 8
+            and tp_group().size == 1
+        )
+
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
-        if isinstance(self.quant_method, UnquantizedLinearMethod):
+        if self.codes_hold_the_embedding():
+            embedding.gather_from(self)
+        elif isinstance(self.quant_method, UnquantizedLinearMethod):
             self.weight = embedding.weight
         elif isinstance(self.quant_method, DualLinearMethod):
             self.quant_method.tie(self, embedding.weight)

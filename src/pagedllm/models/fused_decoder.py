@@ -79,8 +79,8 @@ class FusedDecoder:
             raise NotFusable("the C++ kernels are not available")
         if tp_group().size > 1:
             raise NotFusable("tensor parallelism (the all-reduces are the modules')")
-        dtype = model.embed_tokens.weight.dtype
-        if model.embed_tokens.weight.device.type != "cpu":
+        dtype = model.embed_tokens.dtype
+        if model.norm.weight.device.type != "cpu":
             raise NotFusable("the model is not on the CPU")
         if config.qk_norm or config.residual_multiplier != 1.0:
             raise NotFusable("q/k norms or a residual multiplier")

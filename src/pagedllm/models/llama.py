@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype  # lm_head may be quantized
+        return self.model.embed_tokens.dtype  # lm_head may be quantized
 
     def fuse_decoder(self) -> None:
         """Run decode steps' layers as one C++ call over the current weights (load and

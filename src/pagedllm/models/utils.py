@@ -48,8 +48,10 @@ def load_weights(
 
     def load(target: str, name: str, shard_id: int | None, read: Callable) -> None:
         param = params[target]
-        method = getattr(model.get_submodule(target.rpartition(".")[0]), "quant_method", None)
-        taken = method is not None and method.takes_codes and name in codes
+        module = model.get_submodule(target.rpartition(".")[0])
+        method = getattr(module, "quant_method", None)
+        takes_codes = getattr(method, "takes_codes", False) or getattr(module, "takes_codes", False)
+        taken = takes_codes and name in codes
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         tensor = codes[name] if taken else read()  # a file's own errors name their tensor
         try:

@@ -24,6 +24,7 @@
 // depend on the other rows of the step.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -68,6 +69,42 @@ void tiles_avx512_vnni(const Activations& x, int64_t M, const Weights& w, int64_
 void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
                 int64_t ldy);
 #endif
+
+// Which blocks of columns a call of a variant's tile kernel covers, and whether it starts the
+// outputs' sums (acc = 0) or carries them on from y: splitting the columns keeps each output's
+// sequence of operations (a float stored and loaded back is the same float).
+struct Span {
+  int64_t b0, b1;
+  bool first;
+};
+
+// The order a variant walks its tiles [t0, t1) for M rows, calling
+// rows_tile<R>(m, t, span) for R = 1..kMaxRows rows at a time. Few rows (decode) stream each
+// tile's codes once, whole. Many rows (prefill) block the product like a GEMM, so that what is
+// reread comes from cache: panels of kPanelTiles tiles, their columns kSpanBlocks blocks at a
+// time (the panel's codes for those columns stay in L2), against kRowChunk rows of activations
+// (their codes for those columns stay in L1).
+template <int kMaxRows, typename RowsTile>
+inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, RowsTile&& rows_tile) {
+  constexpr int64_t kRowChunk = 64, kSpanBlocks = 8, kPanelTiles = 32, kBlockedFromRows = 32;
+  const int64_t blocks = w.blocks();
+  const bool blocked = M >= kBlockedFromRows;
+  const int64_t span = blocked ? kSpanBlocks : blocks, panel = blocked ? kPanelTiles : t1 - t0;
+  for (int64_t p0 = t0; p0 < t1; p0 += panel) {
+    const int64_t p1 = std::min(t1, p0 + panel);
+    for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+      const Span s{b0, std::min(blocks, b0 + span), b0 == 0};
+      for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int64_t end = std::min(M, m0 + kRowChunk);
+        for (int64_t t = p0; t < p1; ++t) {
+          int64_t m = m0;
+          for (; m + kMaxRows <= end; m += kMaxRows) rows_tile.template operator()<kMaxRows>(m, t, s);
+          for (; m < end; ++m) rows_tile.template operator()<1>(m, t, s);
+        }
+      }
+    }
+  }
+}
 
 // float16 bits -> float (exact), for the reference.
 inline float half_bits_to_float(uint16_t h) {

@@ -15,7 +15,6 @@ namespace pagedllm {
 namespace int8_act {
 namespace {
 
-constexpr int64_t kRowChunk = 64;
 constexpr int64_t kAhead = 1024;
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -25,16 +24,27 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 template <int R, int kBits>
-inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, float* y, int64_t ldy) {
+inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
+                      int64_t ldy) {
   const int64_t blocks = w.blocks(), K = w.K;
   const uint8_t* codes = w.codes + t * w.tile_bytes();
   const uint16_t* scales = w.scales + t * blocks * kTile;
   const uint16_t* mins = kBits == 4 ? w.mins + t * blocks * kTile : nullptr;
   constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int r = 0; r < R; ++r) {
+    if (span.first) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    } else {
+      alignas(32) float tmp[kTile] = {};
+      std::memcpy(tmp, y + (m + r) * ldy + t * kTile, live * sizeof(float));
+      acc[r][0] = _mm256_load_ps(tmp);
+      acc[r][1] = _mm256_load_ps(tmp + 8);
+    }
+  }
+  for (int64_t b = span.b0; b < span.b1; ++b) {
     const uint8_t* cb = codes + b * kBlockBytes;
     _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
@@ -83,7 +93,6 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
       }
     }
   }
-  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
   for (int r = 0; r < R; ++r) {
     float* out = y + (m + r) * ldy + t * kTile;
     if (live == kTile) {
@@ -99,15 +108,20 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
 }
 
 template <int kBits>
-void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t end = std::min(M, m0 + kRowChunk);
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t m = m0;
-      for (; m + 2 <= end; m += 2) rows_tile<2, kBits>(x, m, w, t, y, ldy);
-      if (m < end) rows_tile<1, kBits>(x, m, w, t, y, ldy);
-    }
+struct RowsTile {
+  const Activations& x;
+  const Weights& w;
+  float* y;
+  int64_t ldy;
+  template <int R>
+  void operator()(int64_t m, int64_t t, Span span) const {
+    rows_tile<R, kBits>(x, m, w, t, span, y, ldy);
   }
+};
+
+template <int kBits>
+void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  walk_tiles<2>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
 }
 
 }  // namespace

@@ -14,7 +14,6 @@ namespace pagedllm {
 namespace int8_act {
 namespace {
 
-constexpr int64_t kRowChunk = 64;  // activation rows kept hot while a thread walks its tiles
 constexpr int64_t kAhead = 1024;   // bytes of codes fetched ahead of use (decode streams them)
 
 inline __m512i broadcast4(const int8_t* p) {
@@ -25,16 +24,20 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // R activation rows from row m against tile t: y[(m + r) * ldy + 16 t + lane].
 template <int R, int kBits>
-inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, float* y, int64_t ldy) {
+inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
+                      int64_t ldy) {
   const int64_t blocks = w.blocks(), K = w.K;
   const uint8_t* codes = w.codes + t * w.tile_bytes();
   const uint16_t* scales = w.scales + t * blocks * kTile;
   const uint16_t* mins = kBits == 4 ? w.mins + t * blocks * kTile : nullptr;
   constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
+  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int r = 0; r < R; ++r)
+    acc[r] = span.first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + (m + r) * ldy + t * kTile);
+  for (int64_t b = span.b0; b < span.b1; ++b) {
     const uint8_t* cb = codes + b * kBlockBytes;
     _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
@@ -75,26 +78,24 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
       }
     }
   }
-  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
-  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * ldy + t * kTile, mask, acc[r]);
 }
 
 template <int kBits>
-void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t end = std::min(M, m0 + kRowChunk);
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t m = m0;
-      for (; m + 4 <= end; m += 4) rows_tile<4, kBits>(x, m, w, t, y, ldy);
-      switch (end - m) {
-        case 3: rows_tile<3, kBits>(x, m, w, t, y, ldy); break;
-        case 2: rows_tile<2, kBits>(x, m, w, t, y, ldy); break;
-        case 1: rows_tile<1, kBits>(x, m, w, t, y, ldy); break;
-        default: break;
-      }
-    }
+struct RowsTile {
+  const Activations& x;
+  const Weights& w;
+  float* y;
+  int64_t ldy;
+  template <int R>
+  void operator()(int64_t m, int64_t t, Span span) const {
+    rows_tile<R, kBits>(x, m, w, t, span, y, ldy);
   }
+};
+
+template <int kBits>
+void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  walk_tiles<4>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
 }
 
 }  // namespace

@@ -28,6 +28,8 @@ class _Codes:
     """Row and column slices, shared by both kinds of codes."""
 
     q: torch.Tensor
+    _codes_field: str  # the field holding the codes, and how many a byte of it holds
+    _codes_per_byte: int
 
     @property
     def shape(self) -> torch.Size:
@@ -42,21 +44,34 @@ class _Codes:
             raise ValueError(
                 f"quantized columns split on groups of {BLOCK}, not at {start}..{start + length}"
             )
-        groups = {
+        per_column = self._codes_per_byte
+        columns = {
             f.name: getattr(self, f.name).narrow(1, start // BLOCK, length // BLOCK)
             for f in fields(self)
-            if f.name != "q"
         }
-        return replace(self, q=self.q.narrow(1, start, length), **groups)
+        codes = self._codes_field
+        columns[codes] = getattr(self, codes).narrow(1, start // per_column, length // per_column)
+        return replace(self, **columns)
 
 
 @dataclass
 class Int4Weight(_Codes):
-    """4-bit codes, unpacked: w[n, k] = q[n, k] * scale[n, k // 32] + min[n, k // 32]."""
+    """4-bit codes, two a byte in ggml's order (as a GGUF's Q4_0 / Q4_1 blocks hold them, so
+    those are taken without unpacking): w[n, k] = q[n, k] * scale[n, k // 32] + min[n, k // 32]."""
 
-    q: torch.Tensor  # uint8 [N, K], values 0..15
+    packed: torch.Tensor  # uint8 [N, K / 2]: pack_int4's order
     scale: torch.Tensor  # float32 [N, K / 32]
     min: torch.Tensor  # float32 [N, K / 32]
+    _codes_field, _codes_per_byte = "packed", 2
+
+    @property
+    def q(self) -> torch.Tensor:
+        """uint8 [N, K], values 0..15."""
+        return unpack_int4(self.packed)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int4Weight:
@@ -68,7 +83,7 @@ class Int4Weight(_Codes):
         scale = (hi - lo) / 15
         inv = torch.where(scale == 0, 0.0, 1 / scale)  # a constant group: every q = 0, w = lo
         q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
-        return cls(q.reshape(n, k), scale, lo)
+        return cls(pack_int4(q.reshape(n, k)), scale, lo)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: q * scale + min (q * scale is exact for float16 scales)."""
@@ -82,6 +97,7 @@ class Int8Weight(_Codes):
 
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32]
+    _codes_field, _codes_per_byte = "q", 1
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:

@@ -5,8 +5,8 @@ Each call quantizes its input per row and block of 32 columns (Q8_0's rule), mul
 codes in int32 and applies the block scales in one fixed order per output
 (kernels/csrc/int8_act.h): a row's result does not depend on the rest of the batch, on the
 variant the CPU runs (AVX512-VNNI, AVX2 or the plain reference) or on the row count. The codes
-are repacked once at load into the kernels' layout (tiles of 16 output rows, 4 bytes a row at a
-time: a permutation of the file's bytes) and nothing else is kept: no float copy, nothing
+are written at load straight into the kernels' layout (tiles of 16 output rows, 4 bytes a row at
+a time: a permutation of the file's bytes) and nothing else is kept: no float copy, nothing
 prepared per batch shape.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm import kernels
 from pagedllm.layers.quantization.base import LinearMethodBase
-from pagedllm.layers.quantization.codes import BLOCK, QuantWeight
+from pagedllm.layers.quantization.codes import BLOCK, Int4Weight, QuantWeight
 from pagedllm.layers.quantization.int_linear import _BlockQuantMethod
 
 TILE = 16  # output rows interleaved in the kernels' layout
@@ -27,67 +27,66 @@ def _tiles(rows: int) -> int:
     return -(-rows // TILE)
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
-def repack_int4(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor):
-    """ggml-ordered int4 codes [N, K / 2] (byte i of a block: code i low, i + 16 high), float16
-    scales and mins [N, K / 32] -> the kernels' (codes, scales, mins)."""
-    n, half = packed.shape
-    tiles, blocks = _tiles(n), half // (BLOCK // 2)
-    codes = _pad_rows(packed, tiles * TILE).reshape(tiles, TILE, blocks, 4, 4)
-    return (
-        codes.permute(0, 2, 3, 1, 4).contiguous().reshape(-1),
-        _pad_rows(scale, tiles * TILE).reshape(tiles, TILE, blocks).transpose(1, 2).contiguous(),
-        _pad_rows(mn, tiles * TILE).reshape(tiles, TILE, blocks).transpose(1, 2).contiguous(),
-    )
-
-
-def repack_int8(q: torch.Tensor, scale: torch.Tensor):
-    """int8 codes [N, K] and float16 scales [N, K / 32] -> the kernels' (codes + 128, scales)."""
-    n, k = q.shape
-    tiles, blocks = _tiles(n), k // BLOCK
-    biased = _pad_rows(q, tiles * TILE).view(torch.uint8) ^ 128
-    codes = biased.reshape(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-    return (
-        codes.reshape(-1),
-        _pad_rows(scale, tiles * TILE).reshape(tiles, TILE, blocks).transpose(1, 2).contiguous(),
-    )
+def _chunks(codes: QuantWeight) -> torch.Tensor:
+    """uint8 [N, K / 32, chunks, 4]: each row's codes as the kernels read them, 4 bytes at a
+    time (int4: a Q4 block's 16 bytes as they are; int8: the codes + 128)."""
+    if isinstance(codes, Int4Weight):
+        return codes.packed.reshape(codes.shape[0], -1, 4, 4)
+    return (codes.q.view(torch.uint8) ^ 128).reshape(codes.shape[0], -1, 8, 4)
 
 
 class Int8ActLinearMethod(LinearMethodBase):
-    """Loads the checkpoint's codes as `codes`'s method does (`weight`, `weight_scale`[,
-    `weight_min`]), then holds them repacked as `int8_act_codes`, `int8_act_scales`[,
-    `int8_act_mins`]."""
+    """The layer holds `int8_act_codes`, `int8_act_scales`[, `int8_act_mins`] in the kernels'
+    layout, each checkpoint slice written into its rows as it arrives (no other copy; the
+    padding rows of the last tile are zeros); `weight` is an empty placeholder for the loader."""
 
     takes_codes = True
     fixed_order = True  # batch invariant by construction
 
     def __init__(self, codes: _BlockQuantMethod, variant: str = ""):
-        """variant: the kernel to run ('' for the fastest this CPU has; tests name others)."""
-        self.codes_method, self.bits, self.variant = codes, codes.bits, variant
+        """codes: the method whose kind of codes (int4 or int8) the checkpoint has; variant: the
+        kernel to run ('' for the fastest this CPU has; tests name others)."""
+        self.codes_cls, self.bits, self.variant = codes.codes_cls, codes.bits, variant
+        self.tied = codes.tied
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        self.codes_method.create_weights(layer, dtype)
+        rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
+        tiles, blocks, chunks = _tiles(rows), cols // BLOCK, self.bits
+        codes = torch.empty(tiles, blocks, chunks, TILE, 4, dtype=torch.uint8)
+        codes[-1].zero_()  # the last tile's padding rows (codes + 128 of 0: a zero weight)
+        layer.register_buffer("int8_act_codes", codes)
+        names = ("int8_act_scales", "int8_act_mins")[: 1 if self.bits == 8 else 2]
+        for name in names:
+            layer.register_buffer(name, torch.zeros(tiles, blocks, TILE, dtype=torch.float16))
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
 
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantWeight, row: int) -> None:
-        self.codes_method.load_weight(layer, loaded, row)
+        if isinstance(loaded, torch.Tensor):  # a tied head's padding rows, or float weights
+            loaded = self.codes_cls.from_float(loaded.float())
+        if not isinstance(loaded, self.codes_cls):
+            raise ValueError(f"has {type(loaded).__name__} codes, not int{self.bits}")
+        parts = [(layer.int8_act_codes.permute(0, 3, 1, 2, 4), _chunks(loaded))]
+        parts.append((layer.int8_act_scales.transpose(1, 2), loaded.scale))
+        if self.bits == 4:
+            parts.append((layer.int8_act_mins.transpose(1, 2), loaded.min))
+        # [tiles, 16 rows, ...] views: whole tiles as slices (one strided copy), the rest by row
+        end, first = row + loaded.shape[0], -(-row // TILE)
+        whole = max(0, end // TILE - first)
+        for dst, src in parts:
+            src = src.to(dst.dtype)
+            at = first * TILE - row
+            if whole:
+                part = src[at : at + whole * TILE]
+                dst[first : first + whole].copy_(part.reshape(whole, TILE, *part.shape[1:]))
+            rest = [i for i in range(row, end) if not first * TILE <= i < (first + whole) * TILE]
+            if rest:
+                index = torch.tensor(rest)
+                dst[index // TILE, index % TILE] = src[index - row]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if hasattr(layer, "int8_act_codes"):
-            return
-        if self.bits == 4:
-            packed = repack_int4(layer.weight.data, layer.weight_scale, layer.weight_min)
-            del layer.weight_min
-        else:
-            packed = repack_int8(layer.weight.data, layer.weight_scale)
-        del layer.weight, layer.weight_scale
-        names = ("int8_act_codes", "int8_act_scales", "int8_act_mins")[: len(packed)]
-        for name, t in zip(names, packed, strict=True):
-            layer.register_buffer(name, t)
+        if "weight" in layer._parameters:
+            del layer.weight
 
     def codes(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
         """The kernel's arguments after x: codes, scales, mins (None for int8)."""

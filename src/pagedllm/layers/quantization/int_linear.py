@@ -30,7 +30,6 @@ from pagedllm.layers.quantization.codes import (
     Int4Weight,
     Int8Weight,
     QuantWeight,
-    pack_int4,
     unpack_int4,
 )
 
@@ -84,7 +83,7 @@ class _BlockQuantMethod(LinearMethodBase):
 
     def _write(self, layer: nn.Module, loaded: QuantWeight, row: int) -> None:
         rows = slice(row, row + loaded.shape[0])
-        layer.weight.data[rows] = self._packed(loaded.q)
+        layer.weight.data[rows] = self._packed(loaded)
         layer.weight_scale[rows] = loaded.scale.to(torch.float16)
         if self.bits == 4:
             layer.weight_min[rows] = loaded.min.to(torch.float16)
@@ -160,8 +159,8 @@ class Int8LinearMethod(_BlockQuantMethod):
     bits, codes_cls = 8, Int8Weight
     _code_dtype, _scale_names = torch.int8, ("weight_scale",)
 
-    def _packed(self, q: torch.Tensor) -> torch.Tensor:
-        return q
+    def _packed(self, codes: Int8Weight) -> torch.Tensor:
+        return codes.q
 
     def dequantize(self, layer: nn.Module, rows: slice = slice(None)) -> torch.Tensor:
         scale = layer.weight_scale[rows].float().repeat_interleave(BLOCK, dim=1)
@@ -172,8 +171,8 @@ class Int4LinearMethod(_BlockQuantMethod):
     bits, codes_cls = 4, Int4Weight
     _code_dtype, _scale_names = torch.uint8, ("weight_scale", "weight_min")
 
-    def _packed(self, q: torch.Tensor) -> torch.Tensor:
-        return pack_int4(q)  # two codes a byte, in ggml's order
+    def _packed(self, codes: Int4Weight) -> torch.Tensor:
+        return codes.packed  # two codes a byte, in ggml's order
 
     def dequantize(self, layer: nn.Module, rows: slice = slice(None)) -> torch.Tensor:
         return torch.addcmul(

@@ -1,0 +1,188 @@
+"""`python -m benchmarks.random_gguf`: a GGUF file of a real Llama shape with random weights, for
+measuring speed, memory and start-up at real model sizes without downloading a model.
+
+The file is a llama.cpp-style "llama" GGUF: the vocabulary, tokenizer and chat template are
+copied from the packaged SmolLM2 GGUF (vocab 49152), tie_word_embeddings (no output.weight), the
+token embedding Q8_0, norms F32 (all ones), the projections `--type` (Q4_1, Q4_0 or Q8_0). The
+quantized blocks are random codes with a fixed scale (weights of standard deviation ~0.02,
+centred), written straight as bytes tensor by tensor, so memory stays at one tensor even for 8B.
+Both pagedllm and llama.cpp's llama-server load it; its text is gibberish. No rope scaling is
+written (Llama 3's "llama3" rope factors): the speed and memory are the same.
+
+    python -m benchmarks.random_gguf /tmp/llama-1b-q4_1.gguf --shape llama-1b   # ~0.7 GB
+    python -m benchmarks.random_gguf /tmp/llama-8b-q4_1.gguf --shape llama-8b   # ~4.6 GB
+    python -m benchmarks.random_gguf /tmp/tiny.gguf --shape tiny --type Q8_0 --num-layers 4
+
+llama-1b writes context_length 131072 as Llama 3.2 does; the engine caps it by --max-model-len.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from pagedllm.model_loader import resolve_model
+
+Q = gguf.GGMLQuantizationType
+SHAPES = {
+    # Llama 3.2 1B
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                     num_kv_heads=8, rope_theta=500000.0, rms_eps=1e-5, context_length=131072),
+    # Llama 3 8B
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                     num_kv_heads=8, rope_theta=500000.0, rms_eps=1e-5, context_length=8192),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                 num_kv_heads=2, rope_theta=500000.0, rms_eps=1e-5, context_length=8192),
+}  # fmt: skip
+PROJ_TYPES = {"Q4_1": Q.Q4_1, "Q4_0": Q.Q4_0, "Q8_0": Q.Q8_0}
+FILE_TYPES = {
+    Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+    Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+    Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+WEIGHT_STD = 0.02
+CODE_STD = {Q.Q8_0: np.sqrt((256**2 - 1) / 12), Q.Q4_0: np.sqrt((16**2 - 1) / 12)}
+CODE_STD[Q.Q4_1] = CODE_STD[Q.Q4_0]
+
+
+def head_dim(shape: dict) -> int:
+    return shape["hidden_size"] // shape["num_heads"]
+
+
+def tensor_plan(shape: dict, qtype: Q, vocab_size: int) -> list[tuple[str, Q, tuple[int, ...]]]:
+    """(GGUF name, type, PyTorch shape [out, in] or [n]) of every tensor, in file order."""
+    h, f, d = shape["hidden_size"], shape["intermediate_size"], head_dim(shape)
+    q, kv = shape["num_heads"] * d, shape["num_kv_heads"] * d
+    plan = [("token_embd.weight", Q.Q8_0, (vocab_size, h))]
+    for i in range(shape["num_layers"]):
+        p = f"blk.{i}."
+        plan += [
+            (p + "attn_norm.weight", Q.F32, (h,)),
+            (p + "attn_q.weight", qtype, (q, h)),
+            (p + "attn_k.weight", qtype, (kv, h)),
+            (p + "attn_v.weight", qtype, (kv, h)),
+            (p + "attn_output.weight", qtype, (h, q)),
+            (p + "ffn_norm.weight", Q.F32, (h,)),
+            (p + "ffn_gate.weight", qtype, (f, h)),
+            (p + "ffn_up.weight", qtype, (f, h)),
+            (p + "ffn_down.weight", qtype, (h, f)),
+        ]
+    return plan + [("output_norm.weight", Q.F32, (h,))]
+
+
+def tensor_nbytes(qtype: Q, shape: tuple[int, ...]) -> int:
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"row length {shape[-1]} is not a multiple of {qtype.name}'s {block}")
+    return int(np.prod(shape)) // block * type_size
+
+
+def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    """F32 norms as ones; a quantized [out, in] weight as its raw bytes [out, bytes_per_row]:
+    random codes, the scale d (and Q4_1's m = -8 d) fixed so weights have std WEIGHT_STD."""
+    if qtype == Q.F32:
+        return np.ones(shape, dtype=np.float32)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, n_blocks = shape[0], shape[1] // block
+    data = rng.integers(0, 256, (rows, n_blocks, type_size), dtype=np.uint8)
+    d = np.float16(WEIGHT_STD / CODE_STD[qtype])
+    data[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    if qtype == Q.Q4_1:
+        data[:, :, 2:4] = np.frombuffer(np.float16(-8 * d).tobytes(), dtype=np.uint8)
+    return data.reshape(rows, n_blocks * type_size)
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, source: str | Path) -> int:
+    """Copy every tokenizer.* key of `source` with its GGUF types; returns the vocabulary size."""
+    reader = gguf.GGUFReader(source)
+    vocab_size = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+        if key == gguf.Keys.Tokenizer.LIST:
+            vocab_size = len(field.data)
+    return vocab_size
+
+
+def write_random_gguf(
+    path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: int = 0, **overrides
+) -> dict:
+    """Write the file; `overrides` (hidden_size, num_layers, ...) replace the shape's values.
+    Returns its path, size in bytes, parameter count and seconds taken."""
+    start = time.perf_counter()
+    dims = {**SHAPES[shape], **{k: v for k, v in overrides.items() if v is not None}}
+    proj = PROJ_TYPES[qtype]
+    if dims["hidden_size"] % dims["num_heads"] or dims["num_heads"] % dims["num_kv_heads"]:
+        raise ValueError(f"heads must divide hidden_size and kv heads divide heads: {dims}")
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random-{shape}-{qtype.lower()}")
+    w.add_block_count(dims["num_layers"])
+    w.add_context_length(dims["context_length"])
+    w.add_embedding_length(dims["hidden_size"])
+    w.add_feed_forward_length(dims["intermediate_size"])
+    w.add_head_count(dims["num_heads"])
+    w.add_head_count_kv(dims["num_kv_heads"])
+    w.add_layer_norm_rms_eps(dims["rms_eps"])
+    w.add_rope_freq_base(dims["rope_theta"])
+    w.add_rope_dimension_count(head_dim(dims))
+    w.add_key_length(head_dim(dims))
+    w.add_value_length(head_dim(dims))
+    w.add_file_type(FILE_TYPES[proj])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab_size = copy_tokenizer(w, resolve_model(None))
+    w.add_vocab_size(vocab_size)
+    plan = tensor_plan(dims, proj, vocab_size)
+    n_params = 0
+    for name, t, shp in plan:  # the tensor infos first, so data can follow one at a time
+        nbytes = tensor_nbytes(t, shp)
+        if t == Q.F32:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes)
+        else:
+            byte_shape = (shp[0], nbytes // shp[0])
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t)
+        n_params += int(np.prod(shp))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _, t, shp in plan:
+        w.write_tensor_data(random_tensor(rng, t, shp))
+    w.close()
+    size = Path(path).stat().st_size
+    return dict(path=str(path), bytes=size, params=n_params, seconds=time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the .gguf file to write")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    parser.add_argument(
+        "--type",
+        choices=list(PROJ_TYPES),
+        default="Q4_1",
+        help="the projections' quantization (token_embd is always Q8_0)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    for flag in ("hidden-size", "intermediate-size", "num-layers", "num-heads", "num-kv-heads"):
+        parser.add_argument(f"--{flag}", type=int, help="overrides the shape's value")
+    args = parser.parse_args(argv)
+    overrides = {
+        k: getattr(args, k)
+        for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    }
+    info = write_random_gguf(args.out, args.shape, args.type, args.seed, **overrides)
+    print(
+        f"wrote {info['path']}: {info['bytes']} bytes ({info['bytes'] / 2**20:.1f} MiB), "
+        f"{info['params'] / 1e9:.3f}B parameters, in {info['seconds']:.1f} s"
+    )
+    return info
+
+
+if __name__ == "__main__":
+    main()
