@@ -216,6 +216,8 @@ def run_pagedllm(
 
 def _pagedllm_dtype(engine_args: EngineArgs, weights_line: str | None) -> str:
     """From the server's "weights: ... (float32)" log line; else as the engine resolves it."""
+    if weights_line and "integers with 8-bit activations" in weights_line:
+        return "8-bit activations x the GGUF's codes in integers (float32 between)"
     if weights_line:
         found = re.findall(r"\((?:[^()]*? )?(float32|bfloat16|float16)\)", weights_line)
         kept = re.search(r"kept in (float32|bfloat16|float16)", weights_line)

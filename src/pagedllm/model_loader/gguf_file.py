@@ -14,6 +14,7 @@ Versions 2 and 3, little-endian (what llama.cpp and the gguf package write).
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import struct
 
@@ -105,8 +106,9 @@ class GGUFFile:
     the file's order; `data_offset`: where the tensor data starts."""
 
     def __init__(self, path: str | os.PathLike):
+        self._map = np.memmap(path, mode="r")
         # A memoryview of the map: slicing the memmap itself costs a numpy object per string.
-        cur = _Cursor(memoryview(np.memmap(path, mode="r")))
+        cur = _Cursor(memoryview(self._map))
         if cur.raw(4) != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
         version = cur.u32()
@@ -131,6 +133,17 @@ class GGUFFile:
         self.tensors = [self._tensor(cur.buf, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("a tensor name appears twice")
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process's resident memory once it has been copied
+        out: they stay in the page cache (a later read faults them back in, the same bytes), but
+        no longer count twice beside the copy, so a load peaks near the model's size, not twice
+        it. Pages shared with a neighbouring tensor go too (they come back if it is read)."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        mm.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
     def _tensor(self, buf, name, dims, ggml_type, offset) -> GGUFTensor:
         n_elements = int(np.prod(dims, dtype=np.int64))

@@ -391,6 +391,19 @@ def _read_codes(t, n_head: int | None):
     return codes_from_gguf(raw, t.tensor_type)
 
 
+def _released(reader: GGUFFile, t, read):
+    """`read`, then the tensor's pages of the map released (GGUFFile.release): what is read is
+    a copy."""
+
+    def read_and_release():
+        try:
+            return read()
+        finally:
+            reader.release(t)
+
+    return read_and_release
+
+
 def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedModel:
     meta = reader.metadata
     tensors = {t.name: t for t in reader.tensors}
@@ -405,11 +418,12 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedMo
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
-        readers[name] = functools.partial(_read_tensor, t, name, arch, heads)
+        readers[name] = _released(reader, t, functools.partial(_read_tensor, t, name, arch, heads))
         kind = code_kind(t.tensor_type)
         if keep_codes and kind is not None:
             kinds[name] = kind
-            code_readers[name] = functools.partial(_read_codes, t, heads.get(name.split(".")[-2]))
+            n_head = heads.get(name.split(".")[-2])
+            code_readers[name] = _released(reader, t, functools.partial(_read_codes, t, n_head))
     weights = LazyWeights(readers) if lazy else {name: read() for name, read in readers.items()}
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")

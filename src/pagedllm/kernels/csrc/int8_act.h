@@ -79,13 +79,14 @@ struct Span {
 };
 
 // The order a variant walks its tiles [t0, t1) for M rows, calling
-// rows_tile<R>(m, t, span) for R = 1..kMaxRows rows at a time. Few rows (decode) stream each
-// tile's codes once, whole. Many rows (prefill) block the product like a GEMM, so that what is
-// reread comes from cache: panels of kPanelTiles tiles, their columns kSpanBlocks blocks at a
-// time (the panel's codes for those columns stay in L2), against kRowChunk rows of activations
-// (their codes for those columns stay in L1).
-template <int kMaxRows, typename RowsTile>
-inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, RowsTile&& rows_tile) {
+// rows_tiles<R, NT>(m, t, span) for R = kMaxRows rows (or 1, for the last few) against NT =
+// kMaxTiles consecutive tiles (or 1, for the last). Few rows (decode) stream each tile's codes
+// once, whole. Many rows (prefill) block the product like a GEMM, so that what is reread comes
+// from cache: panels of kPanelTiles tiles, their columns kSpanBlocks blocks at a time (the
+// panel's codes for those columns stay in L2), against kRowChunk rows of activations (their
+// codes for those columns stay in L1).
+template <int kMaxRows, int kMaxTiles, typename RowsTiles>
+inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, RowsTiles&& rows_tiles) {
   constexpr int64_t kRowChunk = 64, kSpanBlocks = 8, kPanelTiles = 32, kBlockedFromRows = 32;
   const int64_t blocks = w.blocks();
   const bool blocked = M >= kBlockedFromRows;
@@ -96,10 +97,17 @@ inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, Rows
       const Span s{b0, std::min(blocks, b0 + span), b0 == 0};
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
         const int64_t end = std::min(M, m0 + kRowChunk);
-        for (int64_t t = p0; t < p1; ++t) {
+        int64_t t = p0;
+        for (; t + kMaxTiles <= p1; t += kMaxTiles) {
           int64_t m = m0;
-          for (; m + kMaxRows <= end; m += kMaxRows) rows_tile.template operator()<kMaxRows>(m, t, s);
-          for (; m < end; ++m) rows_tile.template operator()<1>(m, t, s);
+          for (; m + kMaxRows <= end; m += kMaxRows)
+            rows_tiles.template operator()<kMaxRows, kMaxTiles>(m, t, s);
+          for (; m < end; ++m) rows_tiles.template operator()<1, kMaxTiles>(m, t, s);
+        }
+        for (; t < p1; ++t) {
+          int64_t m = m0;
+          for (; m + kMaxRows <= end; m += kMaxRows) rows_tiles.template operator()<kMaxRows, 1>(m, t, s);
+          for (; m < end; ++m) rows_tiles.template operator()<1, 1>(m, t, s);
         }
       }
     }

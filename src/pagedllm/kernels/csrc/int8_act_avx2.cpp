@@ -15,7 +15,7 @@ namespace pagedllm {
 namespace int8_act {
 namespace {
 
-constexpr int64_t kAhead = 1024;
+constexpr int64_t kAhead = 4096;
 
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
@@ -113,15 +113,16 @@ struct RowsTile {
   const Weights& w;
   float* y;
   int64_t ldy;
-  template <int R>
+  template <int R, int NT>
   void operator()(int64_t m, int64_t t, Span span) const {
+    static_assert(NT == 1, "one tile at a time (16 registers)");
     rows_tile<R, kBits>(x, m, w, t, span, y, ldy);
   }
 };
 
 template <int kBits>
 void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  walk_tiles<2>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
+  walk_tiles<2, 1>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
 }
 
 }  // namespace

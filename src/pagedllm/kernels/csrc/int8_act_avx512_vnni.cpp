@@ -14,7 +14,7 @@ namespace pagedllm {
 namespace int8_act {
 namespace {
 
-constexpr int64_t kAhead = 1024;   // bytes of codes fetched ahead of use (decode streams them)
+constexpr int64_t kAhead = 4096;   // bytes of codes fetched ahead of use (decode streams them)
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -22,63 +22,85 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// R activation rows from row m against tile t: y[(m + r) * ldy + 16 t + lane].
-template <int R, int kBits>
-inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
-                      int64_t ldy) {
-  const int64_t blocks = w.blocks(), K = w.K;
-  const uint8_t* codes = w.codes + t * w.tile_bytes();
-  const uint16_t* scales = w.scales + t * blocks * kTile;
-  const uint16_t* mins = kBits == 4 ? w.mins + t * blocks * kTile : nullptr;
+// R activation rows from row m against NT tiles from t: y[(m + r) * ldy + 16 (t + n) + lane].
+// Each activation broadcast feeds NT tiles, each unpacked code vector R rows.
+template <int R, int NT, int kBits>
+inline void rows_tiles(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
+                       int64_t ldy) {
+  const int64_t blocks = w.blocks(), K = w.K, tile_bytes = w.tile_bytes();
+  const uint8_t* codes = w.codes + t * tile_bytes;
   constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
-  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r)
-    acc[r] = span.first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + (m + r) * ldy + t * kTile);
+  __mmask16 mask[NT];
+  __m512 acc[NT][R];
+  for (int n = 0; n < NT; ++n) {
+    const int64_t live = std::min<int64_t>(kTile, w.N - (t + n) * kTile);
+    mask[n] = static_cast<__mmask16>((1u << live) - 1);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (m + r) * ldy + (t + n) * kTile;
+      acc[n][r] = span.first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[n], out);
+    }
+  }
   for (int64_t b = span.b0; b < span.b1; ++b) {
     const uint8_t* cb = codes + b * kBlockBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int n = 0; n < NT; ++n) {
+      _mm_prefetch(reinterpret_cast<const char*>(cb + n * tile_bytes + kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + n * tile_bytes + kAhead + 64), _MM_HINT_T0);
+    }
+    __m512i isum[NT][R];
+    for (int n = 0; n < NT; ++n)
+      for (int r = 0; r < R; ++r) isum[n][r] = _mm512_setzero_si512();
     if constexpr (kBits == 4) {
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(cb + j * 64);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512i lo[NT], hi[NT];
+        for (int n = 0; n < NT; ++n) {
+          const __m512i v = _mm512_loadu_si512(cb + n * tile_bytes + j * 64);
+          lo[n] = _mm512_and_si512(v, nibble);
+          hi[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xb = x.q + (m + r) * K + b * kBlock;
-          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4(xb + 4 * j));
-          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, broadcast4(xb + 16 + 4 * j));
+          const __m512i xl = broadcast4(xb + 4 * j), xh = broadcast4(xb + 16 + 4 * j);
+          for (int n = 0; n < NT; ++n) {
+            isum[n][r] = _mm512_dpbusd_epi32(isum[n][r], lo[n], xl);
+            isum[n][r] = _mm512_dpbusd_epi32(isum[n][r], hi[n], xh);
+          }
         }
       }
     } else {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512i v = _mm512_loadu_si512(cb + j * 64);
-        for (int r = 0; r < R; ++r)
-          isum[r] = _mm512_dpbusd_epi32(isum[r], v, broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j));
+        __m512i v[NT];
+        for (int n = 0; n < NT; ++n) v[n] = _mm512_loadu_si512(cb + n * tile_bytes + j * 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j);
+          for (int n = 0; n < NT; ++n) isum[n][r] = _mm512_dpbusd_epi32(isum[n][r], v[n], xb);
+        }
       }
-      for (int r = 0; r < R; ++r)  // the codes carry +128: take back 128 * sum(x)
-        isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * x.sum[(m + r) * blocks + b]));
+      for (int r = 0; r < R; ++r) {  // the codes carry +128: take back 128 * sum(x)
+        const __m512i bias = _mm512_set1_epi32(128 * x.sum[(m + r) * blocks + b]);
+        for (int n = 0; n < NT; ++n) isum[n][r] = _mm512_sub_epi32(isum[n][r], bias);
+      }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kTile)));
-    for (int r = 0; r < R; ++r) {
-      const float xd = x.d[(m + r) * blocks + b];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd)), acc[r]);
-    }
-    if constexpr (kBits == 4) {
-      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kTile)));
+    for (int n = 0; n < NT; ++n) {
+      const int64_t at = ((t + n) * blocks + b) * kTile;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
       for (int r = 0; r < R; ++r) {
-        const float xs = x.d[(m + r) * blocks + b] * static_cast<float>(x.sum[(m + r) * blocks + b]);
-        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
+        const float xd = x.d[(m + r) * blocks + b];
+        acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n][r]), _mm512_mul_ps(d, _mm512_set1_ps(xd)), acc[n][r]);
+      }
+      if constexpr (kBits == 4) {
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + at)));
+        for (int r = 0; r < R; ++r) {
+          const float xs = x.d[(m + r) * blocks + b] * static_cast<float>(x.sum[(m + r) * blocks + b]);
+          acc[n][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[n][r]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * ldy + t * kTile, mask, acc[r]);
+  for (int n = 0; n < NT; ++n)
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m + r) * ldy + (t + n) * kTile, mask[n], acc[n][r]);
 }
 
 template <int kBits>
@@ -87,15 +109,15 @@ struct RowsTile {
   const Weights& w;
   float* y;
   int64_t ldy;
-  template <int R>
+  template <int R, int NT>
   void operator()(int64_t m, int64_t t, Span span) const {
-    rows_tile<R, kBits>(x, m, w, t, span, y, ldy);
+    rows_tiles<R, NT, kBits>(x, m, w, t, span, y, ldy);
   }
 };
 
 template <int kBits>
 void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  walk_tiles<4>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
+  walk_tiles<4, 2>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
 }
 
 }  // namespace
