@@ -23,7 +23,7 @@ def test_generate_streams_the_same_text_as_the_offline_api():
     prompt = "The capital of France is"
     result = run(["generate", "--raw", "--max-tokens", "16", *FLAGS, prompt])
     assert result.returncode == 0, result.stderr
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024)  # the same defaults as the CLI's
     want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert result.stdout == want[0].outputs[0].text + "\n"
     # The start-up log reports the KV cache in blocks and tokens and the maximum concurrency.
