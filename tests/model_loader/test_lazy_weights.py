@@ -33,3 +33,14 @@ def test_lazy_weights_equal_the_eager_ones(checkpoint):
     assert lazy[name] is not lazy[name]
     lazy.clear()
     assert len(lazy) == 0
+
+
+def test_asking_whether_a_weight_is_there_reads_nothing():
+    """`name in weights` is a key look-up: the model loader asks it of every code tensor before
+    reading it once (Mapping's own __contains__ decoded the tensor to answer)."""
+    reads = []
+    weights = LazyWeights({"w": lambda: reads.append("w") or torch.zeros(1)})
+    assert "w" in weights and "v" not in weights
+    assert reads == []
+    weights["w"]
+    assert reads == ["w"]

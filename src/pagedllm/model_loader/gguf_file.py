@@ -107,6 +107,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self._map = np.memmap(path, mode="r")
+        self._path = os.fspath(path)
         # A memoryview of the map: slicing the memmap itself costs a numpy object per string.
         cur = _Cursor(memoryview(self._map))
         if cur.raw(4) != GGUF_MAGIC:
@@ -133,6 +134,24 @@ class GGUFFile:
         self.tensors = [self._tensor(cur.buf, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("a tensor name appears twice")
+
+    def read(self, tensor: GGUFTensor) -> np.ndarray:
+        """A copy of the tensor's data (its `data`'s shape and dtype), read with one pread rather
+        than through the map: page-cache copies at memory speed instead of a fault per page
+        (an 8B model's 4.4 GB of codes: 3.5 s of faults through the map)."""
+        out = np.empty(tensor.data.shape, tensor.data.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < tensor.n_bytes:  # pread may return less than asked
+                n = os.preadv(fd, [view[done:]], tensor.data_offset + done)
+                if n <= 0:
+                    raise ValueError(f"tensor {tensor.name}: the file ends before its data")
+                done += n
+        finally:
+            os.close(fd)
+        return out
 
     def release(self, tensor: GGUFTensor) -> None:
         """Drop the tensor's pages from this process's resident memory once it has been copied

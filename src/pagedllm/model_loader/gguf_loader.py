@@ -383,9 +383,9 @@ def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
-def _read_codes(t, n_head: int | None):
+def _read_codes(reader: GGUFFile, t, n_head: int | None):
     """One tensor's blocks as codes, its rows unpermuted where its floats are (n_head)."""
-    raw = t.data
+    raw = reader.read(t)
     if n_head is not None:  # a row permutation: it moves raw rows of blocks just as well
         raw = unpermute_from_gguf(raw, n_head)
     return codes_from_gguf(raw, t.tensor_type)
@@ -423,7 +423,8 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedMo
         if keep_codes and kind is not None:
             kinds[name] = kind
             n_head = heads.get(name.split(".")[-2])
-            code_readers[name] = _released(reader, t, functools.partial(_read_codes, t, n_head))
+            read = functools.partial(_read_codes, reader, t, n_head)
+            code_readers[name] = _released(reader, t, read)
     weights = LazyWeights(readers) if lazy else {name: read() for name, read in readers.items()}
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")

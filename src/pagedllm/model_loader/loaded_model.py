@@ -22,6 +22,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._readers[name]()
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own would read the tensor (it tries self[name]): a whole decode to ask.
+        return name in self._readers
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._readers)
 

@@ -27,12 +27,15 @@ def _tiles(rows: int) -> int:
     return -(-rows // TILE)
 
 
-def _chunks(codes: QuantWeight) -> torch.Tensor:
-    """uint8 [N, K / 32, chunks, 4]: each row's codes as the kernels read them, 4 bytes at a
-    time (int4: a Q4 block's 16 bytes as they are; int8: the codes + 128)."""
+def _words(codes: QuantWeight) -> torch.Tensor:
+    """int32 [N, K / 32, chunks]: each row's codes as the kernels read them, 4 bytes (one word)
+    at a time (int4: a Q4 block's 16 bytes as they are; int8: the codes + 128). Moved as words,
+    the layout's strided copy is a quarter of the elements."""
     if isinstance(codes, Int4Weight):
-        return codes.packed.reshape(codes.shape[0], -1, 4, 4)
-    return (codes.q.view(torch.uint8) ^ 128).reshape(codes.shape[0], -1, 8, 4)
+        chunks = codes.packed.reshape(codes.shape[0], -1, 4, 4)
+    else:
+        chunks = (codes.q.view(torch.uint8) ^ 128).reshape(codes.shape[0], -1, 8, 4)
+    return chunks.view(torch.int32).squeeze(-1)
 
 
 class Int8ActLinearMethod(LinearMethodBase):
@@ -66,7 +69,9 @@ class Int8ActLinearMethod(LinearMethodBase):
             loaded = self.codes_cls.from_float(loaded.float())
         if not isinstance(loaded, self.codes_cls):
             raise ValueError(f"has {type(loaded).__name__} codes, not int{self.bits}")
-        parts = [(layer.int8_act_codes.permute(0, 3, 1, 2, 4), _chunks(loaded))]
+        parts = [
+            (layer.int8_act_codes.view(torch.int32).squeeze(-1).permute(0, 3, 1, 2), _words(loaded))
+        ]
         parts.append((layer.int8_act_scales.transpose(1, 2), loaded.scale))
         if self.bits == 4:
             parts.append((layer.int8_act_mins.transpose(1, 2), loaded.min))
@@ -79,9 +84,10 @@ class Int8ActLinearMethod(LinearMethodBase):
             if whole:
                 part = src[at : at + whole * TILE]
                 dst[first : first + whole].copy_(part.reshape(whole, TILE, *part.shape[1:]))
-            rest = [i for i in range(row, end) if not first * TILE <= i < (first + whole) * TILE]
-            if rest:
-                index = torch.tensor(rest)
+            # rows before the first whole tile and after the last (ends of a partial tile)
+            index = torch.cat([torch.arange(row, min(end, first * TILE)),
+                               torch.arange(max(row, (first + whole) * TILE), end)])  # fmt: skip
+            if len(index):
                 dst[index // TILE, index % TILE] = src[index - row]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
