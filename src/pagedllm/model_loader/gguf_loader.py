@@ -357,10 +357,10 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     return out
 
 
-def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
+def _read_tensor(reader: GGUFFile, t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
     """One tensor, dequantized to float32 and in HF's layout."""
     try:
-        array = _dequantize(t.data, t.tensor_type)
+        array = _dequantize(reader.read(t), t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
             f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
@@ -379,7 +379,6 @@ def _read_tensor(t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor
         array = unpermute_from_gguf(array, heads[proj])
     if arch == "gemma3" and name.endswith("norm.weight"):
         array = array - 1.0  # the converter stored 1 + w
-    # F32 tensors are views of the read-only memory map: copy those (and only those).
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
@@ -389,19 +388,6 @@ def _read_codes(reader: GGUFFile, t, n_head: int | None):
     if n_head is not None:  # a row permutation: it moves raw rows of blocks just as well
         raw = unpermute_from_gguf(raw, n_head)
     return codes_from_gguf(raw, t.tensor_type)
-
-
-def _released(reader: GGUFFile, t, read):
-    """`read`, then the tensor's pages of the map released (GGUFFile.release): what is read is
-    a copy."""
-
-    def read_and_release():
-        try:
-            return read()
-        finally:
-            reader.release(t)
-
-    return read_and_release
 
 
 def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedModel:
@@ -418,13 +404,12 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedMo
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
-        readers[name] = _released(reader, t, functools.partial(_read_tensor, t, name, arch, heads))
+        readers[name] = functools.partial(_read_tensor, reader, t, name, arch, heads)
         kind = code_kind(t.tensor_type)
         if keep_codes and kind is not None:
             kinds[name] = kind
             n_head = heads.get(name.split(".")[-2])
-            read = functools.partial(_read_codes, reader, t, n_head)
-            code_readers[name] = _released(reader, t, read)
+            code_readers[name] = functools.partial(_read_codes, reader, t, n_head)
     weights = LazyWeights(readers) if lazy else {name: read() for name, read in readers.items()}
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")

@@ -50,7 +50,6 @@ class Int8ActLinearMethod(LinearMethodBase):
         """codes: the method whose kind of codes (int4 or int8) the checkpoint has; variant: the
         kernel to run ('' for the fastest this CPU has; tests name others)."""
         self.codes_cls, self.bits, self.variant = codes.codes_cls, codes.bits, variant
-        self.tied = codes.tied
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
