@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from pagedllm.cpu_info import has_native_bf16
+from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import create_engine_config
 from tests.server_process import start_server
 
 pytestmark = pytest.mark.slow
@@ -59,8 +60,10 @@ def test_the_dashboard_draws_shared_blocks_and_block_tables_in_chromium():
     _require(os.path.exists(CHROMIUM), "Debian's chromium is not installed")
     sync_api = pytest.importorskip("playwright.sync_api")
     key = "sk-" + uuid.uuid4().hex
-    # The same number of blocks whatever the default dtype: float32 blocks take twice the bytes.
-    scale = 1 if has_native_bf16() else 2
+    # The same number of blocks whatever the default's KV cache dtype (float32 blocks take twice
+    # the bytes of bfloat16 ones): the pool must overflow into swap, but fit each request.
+    cache_dtype = create_engine_config(EngineArgs(device="cpu")).cache.cache_dtype
+    scale = 2 if cache_dtype == "float32" else 1
     flags = [
         "--max-model-len", "512", "--kv-cache-memory", f"{48 * scale}MiB",
         "--preemption-mode", "swap", "--swap-space", f"{0.012 * scale}", "--api-key", key,
