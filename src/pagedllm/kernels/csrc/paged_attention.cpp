@@ -72,17 +72,17 @@ inline __m256 sum8(const __m256* a) {
 }
 #endif
 
-// One (row, head) slot against keys [lo, hi) of a chunk of float rows (k, v: [kKeyChunk][dim]):
-// scores, online-softmax update of (run_max, run_sum), and the weighted sum of V into acc.
+// One (row, head) slot against keys [lo, hi) of a chunk of float rows (key j's K at
+// k + j * ld, its V at v + j * ld): scores, online-softmax update of (run_max, run_sum), and the
+// weighted sum of V into acc.
 // kVecs > 0 fixes head_dim / Vec::size() at compile time so q and acc live in registers;
 // 0 takes it from num_vecs.
 template <int kVecs>
-inline void attend_block(const float* q, const float* k, const float* v, int64_t lo, int64_t hi,
-                         int64_t num_vecs, float cap, float* scores, float& run_max,
+inline void attend_block(const float* q, const float* k, const float* v, int64_t ld, int64_t lo,
+                         int64_t hi, int64_t num_vecs, float cap, float* scores, float& run_max,
                          float& run_sum, float* acc) {
   constexpr int kRegs = kVecs > 0 ? kVecs : 16;
   const int64_t n = kVecs > 0 ? kVecs : num_vecs;
-  const int64_t head_dim = n * Vec::size();
   Vec qv[kRegs], av[kRegs];
   for (int64_t i = 0; i < n; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
   float block_max = -std::numeric_limits<float>::infinity();
@@ -95,7 +95,7 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
     for (; j + 8 <= hi; j += 8) {
       __m256 acc[8];
       for (int t = 0; t < 8; ++t) {
-        const float* kj = k + (j + t) * head_dim;
+        const float* kj = k + (j + t) * ld;
         __m256 sum = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
         for (int i = 1; i < kVecs; ++i) sum = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kj + 8 * i), sum);
         acc[t] = sum;
@@ -116,7 +116,7 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
   }
 #endif
   for (; j < hi; ++j) {
-    const float* kj = k + j * head_dim;
+    const float* kj = k + j * ld;
     Vec sum = qv[0] * Vec::loadu(kj);
     for (int64_t i = 1; i < n; ++i) sum = at::vec::fmadd(qv[i], Vec::loadu(kj + i * Vec::size()), sum);
     float x = reduce_sum(sum);
@@ -140,14 +140,14 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
   for (int64_t i = 0; i < n; ++i) av[i] = Vec::loadu(acc + i * Vec::size()) * Vec(correction);
   for (int64_t j = lo; j < hi; ++j) {
     const Vec p(scores[j]);
-    const float* vj = v + j * head_dim;
+    const float* vj = v + j * ld;
     for (int64_t i = 0; i < n; ++i) av[i] = at::vec::fmadd(p, Vec::loadu(vj + i * Vec::size()), av[i]);
   }
   for (int64_t i = 0; i < n; ++i) av[i].store(acc + i * Vec::size());
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                          float, float*, float&, float&, float*);
+                          int64_t, float, float*, float&, float&, float*);
 
 inline AttendFn attend_for(int64_t num_vecs) {
   switch (num_vecs) {
@@ -194,6 +194,8 @@ void paged_attention_kernel(
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const AttendFn attend = attend_for(num_vecs);
   const int64_t row_bytes = k_cache.size(3) * static_cast<int64_t>(sizeof(cache_t));
+  const bool in_place = std::is_same_v<cache_t, float> && block_size % kKeyChunk == 0 &&
+                        v_cache.strides() == k_cache.strides();
 
   std::vector<WorkItem> items;
   std::vector<std::pair<int64_t, int64_t>> splits;  // (first item, parts) of each split tile
@@ -278,11 +280,22 @@ void paged_attention_kernel(
             }
           }
         }
-        // The chunk's K and V rows of this head, as floats, once for all the tile's slots.
-        for (int64_t j = j_begin; j < j_end; ++j) {
-          const int64_t at = key_offset(base + j) + it.kv_head * c_head;
-          row_to_float(k_ptr + at, &k_buf[j * head_dim], num_vecs);
-          row_to_float(v_ptr + at, &v_buf[j * head_dim], num_vecs);
+        // The chunk's K and V rows of this head as floats, once for all the tile's slots: a
+        // float cache's rows are read where they lie (a chunk never crosses a block there),
+        // others are widened into k_buf / v_buf.
+        const float *k_rows = k_buf.data(), *v_rows = v_buf.data();
+        int64_t ld = head_dim;
+        if (in_place) {
+          const int64_t at = key_offset(base) + it.kv_head * c_head;
+          k_rows = reinterpret_cast<const float*>(k_ptr + at);
+          v_rows = reinterpret_cast<const float*>(v_ptr + at);
+          ld = c_token;
+        } else {
+          for (int64_t j = j_begin; j < j_end; ++j) {
+            const int64_t at = key_offset(base + j) + it.kv_head * c_head;
+            row_to_float(k_ptr + at, &k_buf[j * head_dim], num_vecs);
+            row_to_float(v_ptr + at, &v_buf[j * head_dim], num_vecs);
+          }
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Row r (position pos) sees keys [lo, hi) of this chunk.
@@ -294,7 +307,7 @@ void paged_attention_kernel(
           if (hi <= lo) continue;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t s = r * group + g;
-            attend(&q_buf[s * head_dim], k_buf.data(), v_buf.data(), lo, hi, num_vecs, cap,
+            attend(&q_buf[s * head_dim], k_rows, v_rows, ld, lo, hi, num_vecs, cap,
                    scores.data(), run_max[s], run_sum[s], &acc[s * head_dim]);
           }
         }
