@@ -43,7 +43,11 @@ def make_llm(tiny, **kwargs):
     if dtype == "bfloat16":
         kwargs["deterministic"] = True
     llm = LLM(model=path, dtype=dtype, **kwargs)
-    assert (llm.llm_engine.config.model.quantization == "int8_act") == (dtype == "auto")
+    config = llm.llm_engine.config
+    assert (config.model.quantization == "int8_act") == (dtype == "auto")
+    # Beside the integer products the cache holds float16 (half float32's blocks' bytes).
+    want = "float16" if dtype == "auto" else dtype
+    assert config.cache.cache_dtype == kwargs.get("kv_cache_dtype", want)
     return llm
 
 

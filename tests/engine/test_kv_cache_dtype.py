@@ -48,7 +48,7 @@ def prompt_logprobs(llm, prompts):
             for o, p in zip(outs, prompts, strict=True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2", "bfloat16", "float16"])
 def test_the_pool_holds_what_was_asked_and_more_blocks_fit(tiny, kv_cache_dtype):
     auto = make_llm(tiny, "auto")
     llm = make_llm(tiny, kv_cache_dtype)
@@ -67,7 +67,7 @@ def test_the_pool_holds_what_was_asked_and_more_blocks_fit(tiny, kv_cache_dtype)
     assert len(greedy_with_logprobs(llm, [[5, 6, 7]])[0][0]) == 12
 
 
-@pytest.mark.parametrize("kv_cache_dtype", [*CODES, "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", [*CODES, "bfloat16", "float16"])
 def test_fused_decoder_and_reference_path_agree(tiny, kv_cache_dtype):
     """The C++ path (cache write, paged attention, the fused decoder's decode steps) against the
     Python model on the torch reference backend, both reading the same format."""

@@ -82,9 +82,9 @@ class EngineArgs:
     block_size: int = _flag(16, "tokens per KV-cache block")
     kv_cache_dtype: str = _flag(
         "auto",
-        "what the KV cache stores: auto (the model's dtype) | float32 | bfloat16 | float16 | "
-        "int8 | fp8 (= fp8_e4m3) | fp8_e5m2; int8 and fp8 keep one byte per value and a float32 "
-        "scale per token and KV head",
+        "what the KV cache stores: auto (float16 beside integer products, else the model's "
+        "dtype) | float32 | bfloat16 | float16 | int8 | fp8 (= fp8_e4m3) | fp8_e5m2; int8 and fp8 "
+        "keep one byte per value and a float32 scale per token and KV head",
         choices=KV_CACHE_DTYPES,
     )
     # str first: the CLI keeps the text ("4GiB"), parse_bytes reads it
