@@ -45,6 +45,31 @@ def test_bad_flag_value_is_a_clear_error_not_a_traceback():
     assert "block_size" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_missing_model_or_a_bad_flag_is_one_line_and_nothing_left_running(command):
+    # serve starts its engine process before it reads the flags' consequences: that process
+    # must not outlive the refusal (it would die with its parent; it must not be left to).
+    prompt = ["hi"] if command == "generate" else ["--port", "0"]
+    before = _spawned()
+    cases = [(["--model", "/nonexistent/model.gguf"], "neither a local path"),
+             (["--max-model-len", "999999"], "exceeds the model's context")]  # fmt: skip
+    if command == "serve":  # refused by the server alone, after its engine process started
+        cases.append((["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"))
+    for args, said in cases:
+        result = run([command, *args, *prompt])
+        assert result.returncode == 2, result.stderr
+        assert said in result.stderr and "Traceback" not in result.stderr, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, result.stderr
+    assert _spawned() <= before  # no engine process of theirs is left
+
+
+def _spawned() -> set[int]:
+    """The processes multiprocessing spawned (engine processes among them) now alive."""
+    found = subprocess.run(["pgrep", "-f", "multiprocessing.spawn"], capture_output=True, text=True)
+    return {int(pid) for pid in found.stdout.split()}
+
+
 @pytest.mark.slow
 def test_generate_with_a_json_schema_file_and_a_bad_grammar(tmp_path):
     import json

@@ -30,7 +30,6 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import pickle
 import signal
 import tempfile
@@ -40,7 +39,8 @@ from collections.abc import AsyncIterator
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
-from pagedllm.engine.core_proc import Faults, run_engine_core
+from pagedllm.engine.core_launch import GRAMMAR_COMPILE_TIMEOUT, EngineLaunch
+from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
@@ -61,7 +61,6 @@ STEP_TIMEOUT = 120.0  # seconds without a finished step, requests in flight: a h
 MAX_RESTARTS = 5  # within RESTART_WINDOW; one more and the engine is declared dead
 RESTART_WINDOW = 600.0
 STARTUP_TIMEOUT = 600.0  # seconds an engine process may take to load its model
-GRAMMAR_COMPILE_TIMEOUT = 10.0
 POISON_FAULTS = 2  # blamed failures a request was in flight for before its probation
 # Counters that are gauges (they start over with a new process); the others are summed over
 # the processes.
@@ -79,9 +78,11 @@ class EngineCoreClient:
         grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT,
         max_stream_backlog: int = MAX_STREAM_BACKLOG,
         faults: Faults | None = None,
+        launched: EngineLaunch | None = None,
     ) -> None:
-        """Start the engine process and wait until its model is loaded (RuntimeError if it
-        cannot start). `faults`: injected into the engine processes, for tests. The process
+        """Start the engine process (or adopt `launched`, started early with the same args)
+        and wait until its model is loaded (RuntimeError if it cannot start). `faults`:
+        injected into the engine processes, for tests. The process
         dies with the thread that starts it (PR_SET_PDEATHSIG): build the client on a thread
         that lives as long as it (the main thread); restarts start from the client's own."""
         import zmq
@@ -98,7 +99,7 @@ class EngineCoreClient:
         self.lora_stats: dict | None = None
         self._zmq = zmq
         self._context = zmq.Context()
-        self._socket_dir = tempfile.mkdtemp(prefix="pagedllm-")
+        self._socket_dir = launched.socket_dir if launched else tempfile.mkdtemp(prefix="pagedllm-")
         self._lock = threading.RLock()  # the request table, the input socket, the state
         self._tracked: dict[str, TrackedRequest] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
@@ -113,7 +114,7 @@ class EngineCoreClient:
         self._fatal: channel.Fatal | None = None
         self._last_message = time.monotonic()
         self._proc: mp.Process | None = None
-        self._start_process()
+        self._start_process(launched)
         self._state = "running"
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine-io", daemon=True)
         self._thread.start()
@@ -274,9 +275,10 @@ class EngineCoreClient:
         return future
 
     # -- the engine process ---------------------------------------------------------------------
-    def _start_process(self) -> None:
-        """Fresh sockets (nothing meant for a dead process reaches the next), the process, and
-        its Ready; RuntimeError if it exits or fails to start in time."""
+    def _start_process(self, launched: EngineLaunch | None = None) -> None:
+        """Fresh sockets (nothing meant for a dead process reaches the next), the process (or
+        the one `launched` for them), and its Ready; RuntimeError if it exits or fails to start
+        in time."""
         zmq = self._zmq
         self._generation += 1
         base = f"ipc://{self._socket_dir}/{self._generation}"
@@ -286,14 +288,12 @@ class EngineCoreClient:
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(f"{base}-out")
         self._fatal = None
-        ctx = mp.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.engine.args, f"{base}-in", f"{base}-out", os.getpid(),
-                  self._generation - 1, self.grammar_compile_timeout, self.faults),
-            name="pagedllm-engine",
-        )  # fmt: skip
-        self._proc.start()
+        if launched is None:
+            launched = EngineLaunch.start(self.engine.args, self._socket_dir, self._generation - 1,
+                                          self.grammar_compile_timeout, self.faults)  # fmt: skip
+        assert launched.base == base, (launched.base, base)
+        launched.adopted = True
+        self._proc = launched.process
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._output.poll(100):

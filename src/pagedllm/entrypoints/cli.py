@@ -168,6 +168,27 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    args = engine_args_from(ns)
+    replicas = args.data_parallel_size > 1 and args.data_parallel_rank is None
+    if replicas and not ns.engine_process:
+        raise ValueError("--data-parallel-size > 1 runs each replica in an engine process")
+    launched = None
+    if ns.engine_process and not replicas:
+        # The engine process first (torch-free to start): it imports and loads its model on
+        # another core while this process imports the server below.
+        from pagedllm.engine.core_launch import EngineLaunch
+
+        launched = EngineLaunch.early(args)
+    try:
+        return _serve(ns, args, replicas, launched)
+    finally:
+        if launched is not None and launched.process.is_alive() and not launched.adopted:
+            launched.kill()
+
+
+def _serve(ns: argparse.Namespace, args: EngineArgs, replicas: bool, launched) -> int:
     from pagedllm.engine.async_llm_engine import AsyncLLMEngine
     from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.engine.dp_client import DataParallelClient
@@ -176,21 +197,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.server_config import server_config_from
 
     imported = time.perf_counter()
-    if ns.model_tag is not None:
-        ns.model = ns.model_tag
     config = server_config_from(ns)
-    args = engine_args_from(ns)
-    replicas = args.data_parallel_size > 1 and args.data_parallel_rank is None
-    if replicas and not ns.engine_process:
-        raise ValueError("--data-parallel-size > 1 runs each replica in an engine process")
     if ns.engine_process:  # the engine in its own process, restarted when it fails
         client = DataParallelClient if replicas else EngineCoreClient
+        extra = {} if replicas else {"launched": launched}
         try:
             async_engine = client(
                 args,
                 step_timeout=ns.engine_step_timeout,
                 max_restarts=ns.max_engine_restarts,
                 max_stream_backlog=ns.max_stream_backlog,
+                **extra,
             )
         except RuntimeError as e:
             raise SystemExit(f"pagedllm serve: {e}") from None
@@ -198,7 +215,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         async_engine = AsyncLLMEngine(
             LLMEngine(args), start_thread=False, max_stream_backlog=ns.max_stream_backlog
         )
-    phases = {"imports": imported - STARTED, "engine": time.perf_counter() - imported}
+    engine = "engine" if launched is None else "engine (started before the imports)"
+    phases = {"imports": imported - STARTED, engine: time.perf_counter() - imported}
     try:
         run_server(async_engine, config, started=(STARTED, phases))
     finally:  # also when the app cannot be built (a bad --lora-modules adapter)
@@ -464,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(ns, "node_rank", 0) > 0:  # a host of --nnodes: its ranks, no engine
                 return run_node(create_engine_config(engine_args_from(ns)))
         return ns.func(ns) or 0
-    except ValueError as e:  # bad flags or input: a clear message, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # bad flags or input, a missing model file
+        print(f"error: {e}", file=sys.stderr)  # a clear message, no traceback
         return 2
 
 

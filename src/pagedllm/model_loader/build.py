@@ -62,6 +62,7 @@ def build_model(
         allow_pickle=load_config.allow_pickle_checkpoints,
         # One tensor at a time: a rank keeps its slices only, a quantized layer its codes.
         lazy=tp_group().size > 1 or method != "none",
+        with_tokenizer=False,  # the engine loads its own
     )
     model_cls = get_model_class(loaded.config.architecture)
     codes, packed = loaded.quant_codes.kinds, model_cls.packed_modules_mapping

@@ -327,8 +327,10 @@ def _tokenizer(meta: dict) -> Tokenizer | None:
     return tokenizer_from_gguf_metadata(tok_meta)
 
 
-def load_gguf(path: str | os.PathLike, keep_codes: bool = False, lazy: bool = False) -> LoadedModel:
-    """Read a GGUF file: config, float32 weights with HF names, and its tokenizer.
+def load_gguf(path: str | os.PathLike, keep_codes: bool = False, lazy: bool = False,
+              with_tokenizer: bool = True) -> LoadedModel:  # fmt: skip
+    """Read a GGUF file: config, float32 weights with HF names, and its tokenizer (unless not
+    `with_tokenizer`: building it from the metadata takes a fifth of a second and more).
 
     keep_codes: also give the Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as int4 / int8 codes (LazyCodes,
     decoded when asked for), for `--quantization` to use exactly as stored (their dequantized
@@ -336,7 +338,7 @@ def load_gguf(path: str | os.PathLike, keep_codes: bool = False, lazy: bool = Fa
     model takes them (LazyWeights), not all at once."""
     reader = open_gguf(path)
     with _naming(path):
-        return _load_gguf(path, reader, keep_codes, lazy)
+        return _load_gguf(path, reader, keep_codes, lazy, with_tokenizer)
 
 
 # Rows dequantized at a time: the gguf package holds a float32 copy of what it is given besides
@@ -390,7 +392,7 @@ def _read_codes(reader: GGUFFile, t, n_head: int | None):
     return codes_from_gguf(raw, t.tensor_type)
 
 
-def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedModel:
+def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool, with_tokenizer: bool):
     meta = reader.metadata
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_metadata(meta, tensors)
@@ -416,7 +418,7 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool) -> LoadedMo
     return LoadedModel(
         config=config,
         weights=weights,
-        tokenizer=_tokenizer(meta),
+        tokenizer=_tokenizer(meta) if with_tokenizer else None,
         name=name,
         quant_codes=LazyCodes(code_readers, kinds),
         source=os.fspath(path),

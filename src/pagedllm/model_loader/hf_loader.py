@@ -408,6 +408,7 @@ def load_hf_dir(
     tokenizer: str | os.PathLike | None = None,
     allow_pickle: bool = False,
     lazy: bool = False,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """`allow_pickle`: load pytorch_model.bin / *.pt weights (with torch.load(weights_only=True))
     when the directory has no safetensors; refused by default. `lazy`: see load_safetensors."""
@@ -421,7 +422,7 @@ def load_hf_dir(
     return LoadedModel(
         config=config,
         weights=weights,
-        tokenizer=load_hf_tokenizer(tokenizer or directory),
+        tokenizer=load_hf_tokenizer(tokenizer or directory) if with_tokenizer else None,
         name=directory.name,
         source=str(directory),
     )

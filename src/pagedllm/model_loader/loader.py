@@ -162,6 +162,7 @@ def load_model(
     keep_codes: bool = False,
     allow_pickle: bool = False,
     lazy: bool = False,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
 
@@ -169,12 +170,15 @@ def load_model(
     allow_pickle: a HF directory with only pytorch_model.bin / *.pt weights is loaded (with
     torch.load(weights_only=True)) instead of refused.
     lazy: the weights read one at a time as the model takes them (LazyWeights), so that a
-    tensor-parallel rank never holds more than its shard and one full tensor."""
+    tensor-parallel rank never holds more than its shard and one full tensor. with_tokenizer:
+    False leaves LoadedModel.tokenizer None (the engine loads its own)."""
     path = _model_path(model)
     if path.is_dir():
-        loaded = load_hf_dir(path, allow_pickle=allow_pickle, lazy=lazy)
+        loaded = load_hf_dir(
+            path, allow_pickle=allow_pickle, lazy=lazy, with_tokenizer=with_tokenizer
+        )
     elif path.suffix == ".gguf":
-        loaded = load_gguf(path, keep_codes=keep_codes, lazy=lazy)
+        loaded = load_gguf(path, keep_codes=keep_codes, lazy=lazy, with_tokenizer=with_tokenizer)
     elif path.suffix in PICKLE_SUFFIXES:
         raise ValueError(
             f"{path} is a pickle checkpoint: loading one can run any code it carries, and a lone "
@@ -183,7 +187,7 @@ def load_model(
         )
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
-    if tokenizer is not None:
+    if tokenizer is not None and with_tokenizer:
         loaded.tokenizer = load_tokenizer(tokenizer)
     loaded.name = model_name(model, path)
     return loaded
