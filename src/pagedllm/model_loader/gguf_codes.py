@@ -62,7 +62,7 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
     blocks = np.ascontiguousarray(data).reshape(-1, type_size)
 
     def tensor(a: np.ndarray, dtype=np.float32, cols: int = k // 32) -> torch.Tensor:
-        return torch.from_numpy(a.astype(dtype).reshape(rows, cols))
+        return torch.from_numpy(a.astype(dtype, copy=False).reshape(rows, cols))
 
     if ggml_type == _T.Q8_0:
         q = blocks[:, 2:].view(np.int8)
