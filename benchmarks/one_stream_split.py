@@ -1,9 +1,10 @@
-"""Where a one-request decode step goes (docs/performance.md, items 7 and 8): the step with the
-fused C++ decoder, then on a second engine built with enforce_eager=True, through the model's
-modules; then, through the modules, the wall time of each C++ kernel inside the step, and the
-step again with every kernel replaced by a no-op (outputs still allocated), which leaves the
-Python and torch glue, scheduling and sampling. The kernels are swapped on pagedllm.kernels'
-ops object for the two measurements only, and put back after each.
+"""Where a one-request decode step goes (docs/performance.md, items 7 and 8, and the integer
+path's section): the step with the fused C++ decoder, then on a second engine built with
+enforce_eager=True, through the model's modules; then, through the modules, the wall time of
+each C++ kernel inside the step, and the step again with every kernel replaced by a no-op
+(outputs still allocated), which leaves the Python and torch glue, scheduling and sampling.
+The kernels are swapped on pagedllm.kernels' ops object for the two measurements only, and put
+back after each.
 
     python benchmarks/one_stream_split.py [quantization=int4 ...]   # EngineArgs fields
 """
@@ -22,8 +23,9 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
-KERNELS = ("int4_linear", "int8_linear", "paged_attention", "reshape_and_cache", "rms_norm",
-           "rotary_embedding", "silu_and_mul")  # fmt: skip
+LINEARS = ("int4_linear", "int8_linear", "int8_act_linear")  # they return their output
+KERNELS = (*LINEARS, "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding",
+           "silu_and_mul")  # fmt: skip
 
 overrides = dict(arg.split("=", 1) for arg in sys.argv[1:])
 args = EngineArgs(max_model_len=2048, kv_cache_memory="1GiB", **overrides)
@@ -93,8 +95,9 @@ print(f"modules, kernels timed: step {total:.2f} ms; inside C++ kernels {inside:
 for name, s in seconds.most_common():
     each = s / calls[name] * 1e6
     print(f"  {name}: {s / n * 1e3:.2f} ms ({calls[name] // n} calls, {each:.1f} us each)")
-no_ops = {name: (lambda *args: None) for name in KERNELS[2:]}
+no_ops = {name: (lambda *args: None) for name in KERNELS[len(LINEARS) :]}
 no_ops["int4_linear"] = lambda x, q, s, m: x.new_empty(x.shape[0], q.shape[0])
 no_ops["int8_linear"] = lambda x, q, s: x.new_empty(x.shape[0], q.shape[0])
+no_ops["int8_act_linear"] = lambda x, codes, s, m, bits, n, variant="": x.new_empty(x.shape[0], n)
 with replaced(ops, no_ops):
     print(f"modules, every kernel a no-op (outputs allocated): {step_ms(engine):.2f} ms")

@@ -37,14 +37,35 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (Linux's /proc)."""
+    parents = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    parents[int(entry.name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return parents
+
+
 def counters_with(pids: list[int]):
-    """`cpu_counters()` with these processes' CPU counted as our own: a server we started is
-    the system under test, not another process competing with it."""
+    """`cpu_counters()` with these processes' CPU, and their descendants' (pagedllm's engine
+    process is the server's child), counted as our own: a server we started is the system
+    under test, not another process competing with it. (cpu_counters() already counts this
+    process's own children.)"""
     counters = cpu_counters()
     if counters is None:
         return None
     busy, own, wall = counters
-    return busy, own + sum(process_cpu_seconds(p) for p in pids), wall
+    parents, me = _parents(), os.getpid()
+    tree, frontier = set(), set(pids)
+    while frontier:
+        tree |= frontier
+        frontier = {p for p, parent in parents.items() if parent in frontier} - tree
+    counted = {p for p in tree if parents.get(p) != me}
+    return busy, own + sum(process_cpu_seconds(p) for p in counted), wall
 
 
 # -- servers as subprocesses ------------------------------------------------------------------

@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -214,3 +218,23 @@ def test_smoke_llama_cpp(tiny_gguf, tmp_path):
     assert _run(tiny_gguf, out, "--peers", "llama.cpp", "--llama-server", _llama_server()) == 0
     results = _check_report(out, ["llama.cpp"])
     assert results["systems"]["llama.cpp"]["slot_ctx"] >= 256
+
+
+def test_a_servers_engine_process_counts_as_the_system_under_test():
+    """pagedllm's engine process is the server's child: its CPU is the run's, not a competing
+    process's (it was reported as "others used 90% of the CPU")."""
+    burn = "import time\nt = time.time()\nwhile time.time() - t < 20: pass"
+    serve = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"
+    server = subprocess.Popen([sys.executable, "-c", serve], start_new_session=True)
+    try:
+        while not any(parent == server.pid for parent in peer_servers._parents().values()):
+            time.sleep(0.05)  # the engine process is up
+        before = peer_servers.counters_with([server.pid])
+        time.sleep(1.0)
+        after = peer_servers.counters_with([server.pid])
+        # Its busy loop is ours: at least a good part of a core over the second (a loaded
+        # machine gives it less than all of one).
+        assert after[1] - before[1] >= 0.25 * (after[2] - before[2]), (before, after)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)  # the server and its child
+        server.wait()
