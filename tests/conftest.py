@@ -42,6 +42,15 @@ def hf_default_model():
     return model.eval(), tokenizer
 
 
+def hf_chat_ids(tokenizer, question: str) -> list[int]:
+    """A transformers tokenizer's token ids of a one-turn chat prompt, ready for the reply."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 def runner_of(engine):
     """Rank 0's model runner of an LLMEngine (its worker lives in the engine's process)."""
     return engine.executor.driver_worker.model_runner

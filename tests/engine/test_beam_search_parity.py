@@ -17,7 +17,7 @@ from pagedllm import (
     Logprob,
     SamplingParams,
 )
-from tests.conftest import save_tiny_llama
+from tests.conftest import hf_chat_ids, save_tiny_llama
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
 
 
@@ -225,13 +225,7 @@ def default_prompts(hf_default_model):
     """Two chat prompts (their replies can end on EOS within MAX_TOKENS) and a plain text one
     (given to pagedllm as a string, to check that it tokenizes like HF)."""
     _, tokenizer = hf_default_model
-    ids = []
-    for question in CHAT_QUESTIONS:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        )  # fmt: skip
-        ids.append(list(rendered["input_ids"] if isinstance(rendered, dict) else rendered))
+    ids = [hf_chat_ids(tokenizer, question) for question in CHAT_QUESTIONS]
     ids.append(tokenizer(TEXT_PROMPT)["input_ids"])
     ours = [{"prompt_token_ids": p} for p in ids[:-1]] + [TEXT_PROMPT]
     return ours, ids

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import hf_chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +24,7 @@ def prompts_and_expected(hf_default_model):
     model, tokenizer = hf_default_model
     prompts, expected = [], []
     for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        )  # fmt: skip
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = hf_chat_ids(tokenizer, question)
         prompts.append(ids)
         x = torch.tensor([ids])
         with torch.inference_mode():

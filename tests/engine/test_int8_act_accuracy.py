@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import hf_chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +60,7 @@ def greedy_continuations(model, prompts: list[list[int]]) -> list[tuple[int, lis
 def sequences(hf_default_model):
     """Each question's chat prompt and transformers' float32 greedy continuation."""
     model, tokenizer = hf_default_model
-    prompts = []
-    for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        )  # fmt: skip
-        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-    return greedy_continuations(model, prompts)
+    return greedy_continuations(model, [hf_chat_ids(tokenizer, q) for q in QUESTIONS])
 
 
 def log_softmax_of(model, seq: list[int], quantize_inputs: bool) -> torch.Tensor:

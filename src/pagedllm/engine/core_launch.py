@@ -28,8 +28,8 @@ class EngineLaunch:
     `{base}-out` (outputs, Ready first). ZeroMQ lets it connect before the client binds."""
 
     process: mp.process.BaseProcess
+    socket_dir: str
     base: str
-    generation: int
     adopted: bool = False  # an EngineCoreClient owns it (and stops it)
 
     @classmethod
@@ -43,16 +43,12 @@ class EngineLaunch:
             name="pagedllm-engine",
         )  # fmt: skip
         process.start()
-        return cls(process, base, generation)
+        return cls(process, socket_dir, base)
 
     @classmethod
     def early(cls, args) -> EngineLaunch:
         """The first engine process of a server, started before its imports."""
         return cls.start(args, tempfile.mkdtemp(prefix="pagedllm-"), 0, GRAMMAR_COMPILE_TIMEOUT)
-
-    @property
-    def socket_dir(self) -> str:
-        return self.base.removeprefix("ipc://").rsplit("/", 1)[0]
 
     def kill(self) -> None:
         """Not adopted (the server failed to start): stop it now."""

@@ -184,7 +184,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         return _serve(ns, args, replicas, launched)
     finally:
-        if launched is not None and launched.process.is_alive() and not launched.adopted:
+        if launched is not None and not launched.adopted:
             launched.kill()
 
 
