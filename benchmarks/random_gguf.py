@@ -3,9 +3,11 @@ measuring speed, memory and start-up at real model sizes without downloading a m
 
 The file is a llama.cpp-style "llama" GGUF: the vocabulary, tokenizer and chat template are
 copied from the packaged SmolLM2 GGUF (vocab 49152), tie_word_embeddings (no output.weight), the
-token embedding Q8_0, norms F32 (all ones), the projections `--type` (Q4_1, Q4_0 or Q8_0). The
-quantized blocks are random codes with a fixed scale (weights of standard deviation ~0.02,
-centred), written straight as bytes tensor by tensor, so memory stays at one tensor even for 8B.
+token embedding Q8_0, norms F32 (all ones), the projections `--type` (Q4_1, Q4_0 or Q8_0; or
+Q4_K_M, llama.cpp's mixture: Q4_K projections, Q6_K for attn_v and ffn_down in the layers where
+llama.cpp gives them more bits, and a Q6_K tied embedding). The quantized blocks are random codes
+with a fixed scale (weights of standard deviation ~0.02, centred), written straight as bytes
+tensor by tensor, so memory stays at one tensor even for 8B.
 Both pagedllm and llama.cpp's llama-server load it; its text is gibberish. No rope scaling is
 written (Llama 3's "llama3" rope factors): the speed and memory are the same.
 
@@ -38,15 +40,23 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                  num_kv_heads=2, rope_theta=500000.0, rms_eps=1e-5, context_length=8192),
 }  # fmt: skip
-PROJ_TYPES = {"Q4_1": Q.Q4_1, "Q4_0": Q.Q4_0, "Q8_0": Q.Q8_0}
+PROJ_TYPES = {"Q4_1": Q.Q4_1, "Q4_0": Q.Q4_0, "Q8_0": Q.Q8_0, "Q4_K_M": Q.Q4_K}
 FILE_TYPES = {
-    Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
-    Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
-    Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
 }
 WEIGHT_STD = 0.02
 CODE_STD = {Q.Q8_0: np.sqrt((256**2 - 1) / 12), Q.Q4_0: np.sqrt((16**2 - 1) / 12)}
-CODE_STD[Q.Q4_1] = CODE_STD[Q.Q4_0]
+CODE_STD[Q.Q4_1] = CODE_STD[Q.Q4_K] = CODE_STD[Q.Q4_0]
+CODE_STD[Q.Q6_K] = np.sqrt((64**2 - 1) / 12)
+
+
+def more_bits(layer: int, num_layers: int) -> bool:
+    """The layers whose attn_v and ffn_down llama.cpp's Q4_K_M quantizes to Q6_K."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
 
 
 def head_dim(shape: dict) -> int:
@@ -56,20 +66,21 @@ def head_dim(shape: dict) -> int:
 def tensor_plan(shape: dict, qtype: Q, vocab_size: int) -> list[tuple[str, Q, tuple[int, ...]]]:
     """(GGUF name, type, PyTorch shape [out, in] or [n]) of every tensor, in file order."""
     h, f, d = shape["hidden_size"], shape["intermediate_size"], head_dim(shape)
-    q, kv = shape["num_heads"] * d, shape["num_kv_heads"] * d
-    plan = [("token_embd.weight", Q.Q8_0, (vocab_size, h))]
-    for i in range(shape["num_layers"]):
-        p = f"blk.{i}."
+    q, kv, n = shape["num_heads"] * d, shape["num_kv_heads"] * d, shape["num_layers"]
+    k_mix = qtype == Q.Q4_K  # Q4_K_M
+    plan = [("token_embd.weight", Q.Q6_K if k_mix else Q.Q8_0, (vocab_size, h))]
+    for i in range(n):
+        p, more = f"blk.{i}.", Q.Q6_K if k_mix and more_bits(i, n) else qtype
         plan += [
             (p + "attn_norm.weight", Q.F32, (h,)),
             (p + "attn_q.weight", qtype, (q, h)),
             (p + "attn_k.weight", qtype, (kv, h)),
-            (p + "attn_v.weight", qtype, (kv, h)),
+            (p + "attn_v.weight", more, (kv, h)),
             (p + "attn_output.weight", qtype, (h, q)),
             (p + "ffn_norm.weight", Q.F32, (h,)),
             (p + "ffn_gate.weight", qtype, (f, h)),
             (p + "ffn_up.weight", qtype, (f, h)),
-            (p + "ffn_down.weight", qtype, (h, f)),
+            (p + "ffn_down.weight", more, (h, f)),
         ]
     return plan + [("output_norm.weight", Q.F32, (h,))]
 
@@ -83,16 +94,24 @@ def tensor_nbytes(qtype: Q, shape: tuple[int, ...]) -> int:
 
 def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
     """F32 norms as ones; a quantized [out, in] weight as its raw bytes [out, bytes_per_row]:
-    random codes, the scale d (and Q4_1's m = -8 d) fixed so weights have std WEIGHT_STD."""
+    random codes, the scale d (and Q4_1's m = -8 d; the K-quants' sub-block scales 1 and Q4_K's
+    offsets -8 d) fixed so weights have std WEIGHT_STD, centred."""
     if qtype == Q.F32:
         return np.ones(shape, dtype=np.float32)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, n_blocks = shape[0], shape[1] // block
     data = rng.integers(0, 256, (rows, n_blocks, type_size), dtype=np.uint8)
-    d = np.float16(WEIGHT_STD / CODE_STD[qtype])
-    data[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    d = np.frombuffer(np.float16(WEIGHT_STD / CODE_STD[qtype]).tobytes(), dtype=np.uint8)
+    if qtype == Q.Q6_K:  # ..., 16 int8 sub-block scales, d
+        data[:, :, 192:208] = 1
+        data[:, :, 208:210] = d
+        return data.reshape(rows, n_blocks * type_size)
+    data[:, :, 0:2] = d
     if qtype == Q.Q4_1:
-        data[:, :, 2:4] = np.frombuffer(np.float16(-8 * d).tobytes(), dtype=np.uint8)
+        data[:, :, 2:4] = np.frombuffer(np.float16(-8 * d.view(np.float16)[0]).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin = d, 6-bit (sc, m) packed: every sc 1, every m 8
+        data[:, :, 2:4] = d
+        data[:, :, 4:16] = np.array([1] * 4 + [8] * 4 + [0x81] * 4, np.uint8)
     return data.reshape(rows, n_blocks * type_size)
 
 
@@ -133,7 +152,7 @@ def write_random_gguf(
     w.add_rope_dimension_count(head_dim(dims))
     w.add_key_length(head_dim(dims))
     w.add_value_length(head_dim(dims))
-    w.add_file_type(FILE_TYPES[proj])
+    w.add_file_type(FILE_TYPES[qtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab_size = copy_tokenizer(w, resolve_model(None))
     w.add_vocab_size(vocab_size)

@@ -13,7 +13,7 @@ from pagedllm.model_loader.loader import load_model_config
 ALIGN = gguf.GGUF_DEFAULT_ALIGNMENT
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q4_K_M"])
 def test_tiny_file_loads_and_generates(tmp_path, qtype, capsys):
     path = tmp_path / f"tiny-{qtype}.gguf"
     info = random_gguf.main([str(path), "--shape", "tiny", "--type", qtype, "--seed", "1"])

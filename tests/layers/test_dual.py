@@ -173,6 +173,7 @@ def test_auto_gives_dual_layers_where_every_part_has_codes_of_one_kind():
     assert found == {
         "model.layers.0.self_attn.qkv_proj": "int4",
         "model.layers.0.self_attn.o_proj": "int8",
+        "model.layers.0.mlp.gate_up_proj": "int8x",  # mixed kinds: only the integer path's
         "model.embed_tokens": "int8",  # never asked for: the embedding is not a linear layer
         "lm_head": "int8",
     }
@@ -181,7 +182,7 @@ def test_auto_gives_dual_layers_where_every_part_has_codes_of_one_kind():
     merged = ColumnParallelLinear(
         64, 64, quant_config=config, prefix="model.layers.0.mlp.gate_up_proj"
     )
-    assert isinstance(merged.quant_method, UnquantizedLinearMethod)  # mixed kinds: float only
+    assert isinstance(merged.quant_method, UnquantizedLinearMethod)  # int8x: float only here
     odd = ColumnParallelLinear(
         48, 64, quant_config=config, prefix="model.layers.0.self_attn.o_proj"
     )

@@ -1,8 +1,8 @@
 """The integer kernels (kernels/csrc/int8_act*.cpp): 8-bit activations per row and block of 32
-against a GGUF's int4 / int8 codes. Every variant this CPU has equals the plain C++ reference
-bit for bit at every row count; the integer sums are exact (checked where every float step is
-exact too); the float result is within rounding of float64 arithmetic on the same quantized
-numbers; a row quantizes, and multiplies, the same in a batch of any size."""
+against a GGUF's int4 / int8 / int8x codes. Every variant this CPU has equals the plain C++
+reference bit for bit at every row count; the integer sums are exact (checked where every float
+step is exact too); the float result is within rounding of float64 arithmetic on the same
+quantized numbers; a row quantizes, and multiplies, the same in a batch of any size."""
 
 from __future__ import annotations
 
@@ -11,11 +11,33 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.layers.linear import ColumnParallelLinear
-from pagedllm.layers.quantization import Int4Weight, Int8Weight, QuantizationConfig, pack_int4
-from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod
+from pagedllm.layers.quantization import (
+    Int4Weight,
+    Int8Weight,
+    Int8xWeight,
+    QuantizationConfig,
+    pack_int4,
+)
+from pagedllm.layers.quantization.int8_act import KINDS, Int8ActLinearMethod
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
-CODES = {4: Int4Weight, 8: Int8Weight}
+KIND_OF = {cls: kind for kind, cls in KINDS.items()}
+
+
+def random_codes(kind: str, n: int, k: int, generator=None):
+    """Codes of `kind` for a random [n, k] weight; int8x with its own scale per half block and a
+    min per block (as Q6_K / Q5_K give), all float16 numbers as the layer keeps them."""
+    w = torch.randn(n, k, generator=generator)
+    if kind != "int8x":
+        codes = KINDS[kind].from_float(w)
+        codes.scale = codes.scale.half().float()
+        if kind == "int4":
+            codes.min = codes.min.half().float()
+        return codes
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    scale = (torch.rand(n, k // 16, generator=generator) * 0.02).half().float()
+    mn = (torch.randn(n, k // 32, generator=generator) * 0.1).half().float()
+    return Int8xWeight(q, scale, mn)
 
 
 def ops():
@@ -29,8 +51,7 @@ def variants() -> list[str]:
 def layer_of(codes, bias=None):
     """A layer holding `codes` as the engine loads them (layers/quantization/int8_act.py)."""
     n, k = codes.shape
-    bits = 4 if isinstance(codes, Int4Weight) else 8
-    config = QuantizationConfig("int8_act", code_kinds={"w": f"int{bits}"})
+    config = QuantizationConfig("int8_act", code_kinds={"w": KIND_OF[type(codes)]})
     layer = ColumnParallelLinear(k, n, bias is not None, torch.float32, config, prefix="w")
     assert isinstance(layer.quant_method, Int8ActLinearMethod)
     layer.weight_loader(layer.weight, codes)
@@ -70,43 +91,46 @@ def test_activation_quantization_is_q8_0s_rule_and_independent_of_the_batch():
     torch.manual_seed(0)
     x = torch.randn(257, 96) * torch.rand(257, 1) * 10
     x[3, :32] = 0  # a block of zeros: scale 0, codes 0
-    q, d, s = ops().int8_act_quantize(x)
+    q, d, s, s16 = ops().int8_act_quantize(x)
     want_q, want_d, want_s = quantize_like_q8(x)
     assert torch.equal(q, want_q) and torch.equal(d, want_d) and torch.equal(s, want_s)
+    assert torch.equal(s16, q.reshape(257, 6, 16).sum(-1, dtype=torch.int32))
     assert d[3, 0] == 0 and not q[3, :32].any()
     row = x[100:101]
     for batch in (1, 2, 7, 64, 257):  # the row among batch - 1 others, in the middle
         others = torch.randn(batch - 1, 96) * 50
         at = batch // 2
-        qb, db, sb = ops().int8_act_quantize(torch.cat([others[:at], row, others[at:]]))
+        qb, db, sb, hb = ops().int8_act_quantize(torch.cat([others[:at], row, others[at:]]))
         assert torch.equal(qb[at], q[100]) and torch.equal(db[at], d[100])
-        assert torch.equal(sb[at], s[100])
+        assert torch.equal(sb[at], s[100]) and torch.equal(hb[at], s16[100])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_integer_sums_are_exact(bits):
+@pytest.mark.parametrize("kind", KINDS)
+def test_integer_sums_are_exact(kind):
     """Integer x with a 127 in every block quantizes to itself (d = 1); unit scales and zero mins
     leave y = the integer product, every partial sum exact in float32."""
     torch.manual_seed(1)
     n, k = 40, 128
     x = torch.randint(-127, 128, (5, k)).float()
     x[:, ::32] = 127
-    if bits == 4:
+    if kind == "int4":
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         codes = Int4Weight(pack_int4(q), torch.ones(n, k // 32), torch.zeros(n, k // 32))
     else:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         codes = Int8Weight(q, torch.ones(n, k // 32))
+        if kind == "int8x":
+            codes = Int8xWeight.of(codes)
     want = x.long() @ q.long().T
     for variant in variants():
         assert torch.equal(product(x, codes, variant), want.float()), variant
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_every_variant_equals_the_reference_at_every_row_count(bits):
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_variant_equals_the_reference_at_every_row_count(kind):
     torch.manual_seed(2)
     n, k = 37, 96  # a partial last tile of 16 rows
-    codes = CODES[bits].from_float(torch.randn(n, k))
+    codes = random_codes(kind, n, k)
     x = torch.randn(300, k) * 3
     want = product(x, codes, "reference")
     for variant in variants():
@@ -115,17 +139,14 @@ def test_every_variant_equals_the_reference_at_every_row_count(bits):
             assert torch.equal(got, want[:rows]), (variant, rows)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", range(4))
-def test_random_shapes_against_the_reference_and_float64(bits, seed):
+def test_random_shapes_against_the_reference_and_float64(kind, seed):
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 300, (1,), generator=g))
     k = 32 * int(torch.randint(1, 40, (1,), generator=g))
     m = int(torch.randint(1, 70, (1,), generator=g))
-    codes = CODES[bits].from_float(torch.randn(n, k, generator=g))
-    codes.scale = codes.scale.half().float()  # the layer keeps float16 scales
-    if bits == 4:
-        codes.min = codes.min.half().float()
+    codes = random_codes(kind, n, k, g)  # float16 scales (and mins), as the layer keeps them
     x = torch.randn(m, k, generator=g) * 4
     want = product(x, codes, "reference")
     for variant in variants():
@@ -142,41 +163,38 @@ def test_random_shapes_against_the_reference_and_float64(bits, seed):
     assert err < 0.03
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_bfloat16_x_is_quantized_from_its_exact_value(bits):
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_x_is_quantized_from_its_exact_value(kind):
     torch.manual_seed(3)
-    codes = CODES[bits].from_float(torch.randn(64, 64))
+    codes = random_codes(kind, 64, 64)
     x = torch.randn(9, 64).bfloat16()
     got = product(x, codes)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, product(x.float(), codes).bfloat16())
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(bits):
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind):
     """Slices written as they arrive (q, k, v parts at their rows; 50 rows: a partial tile)."""
     torch.manual_seed(4)
     n, k = 50, 64
-    codes = CODES[bits].from_float(torch.randn(n, k))
+    codes = random_codes(kind, n, k)
     bias = torch.randn(n)
     whole = layer_of(codes, bias)
-    config = QuantizationConfig("int8_act", code_kinds={"w": f"int{bits}"})
+    config = QuantizationConfig("int8_act", code_kinds={"w": kind})
     layer = ColumnParallelLinear(k, n, True, torch.float32, config, prefix="w")
     for start, size in ((0, 13), (13, 20), (33, 17)):
         layer.quant_method.load_weight(layer, codes.narrow(0, start, size), start)
     layer.weight_loader(layer.bias, bias)
     layer.quant_method.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight") and not hasattr(layer, "weight_scale")
-    padded = 64  # 50 rows in tiles of 16: the codes' bytes, float16 scales (and mins)
-    assert layer.quant_method.nbytes(layer) == padded * k * bits // 8 + padded * k // 32 * 2 * (
-        2 if bits == 4 else 1
-    )
+    padded, bits = 64, 4 if kind == "int4" else 8  # 50 rows in tiles of 16
+    per_block = {"int4": 2, "int8": 1, "int8x": 3}[kind]  # float16 scales (and mins) per block
+    want = padded * k * bits // 8 + padded * k // 32 * 2 * per_block
+    assert layer.quant_method.nbytes(layer) == want
     for a, b in zip(layer.quant_method.codes(layer), whole.quant_method.codes(whole), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
     x = torch.randn(7, k)
-    codes.scale = codes.scale.half().float()
-    if bits == 4:
-        codes.min = codes.min.half().float()
     q, d, _ = quantize_like_q8(x)
     xd = (q.double().reshape(7, k // 32, 32) * d.double()[..., None]).reshape(7, k)
     want = xd @ codes.dequantize().double().T + bias.double()
@@ -184,18 +202,18 @@ def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(bits):
     assert torch.equal(layer(x), whole(x))
 
 
-def test_a_tied_heads_codes_serve_the_embeddings_lookups():
-    """Tied to an integer head with int8 codes, the embedding keeps no float copy: its rows are
-    gathered from the head's codes, the float rows bit for bit, and the checkpoint tensor it is
-    handed is only checked, never dequantized."""
+@pytest.mark.parametrize("kind", ["int8", "int8x"])
+def test_a_tied_heads_codes_serve_the_embeddings_lookups(kind):
+    """Tied to an integer head with int8 (or int8x: a Q6_K embedding) codes, the embedding keeps
+    no float copy: its rows are gathered from the head's codes, the float rows bit for bit, and
+    the checkpoint tensor it is handed is only checked, never dequantized."""
     from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     torch.manual_seed(5)
     vocab, hidden = 70, 64
-    codes = Int8Weight.from_float(torch.randn(vocab, hidden))
-    codes.scale = codes.scale.half().float()
+    codes = random_codes(kind, vocab, hidden)
     embedding = VocabParallelEmbedding(vocab, hidden)
-    config = QuantizationConfig("int8_act", code_kinds={"lm_head": "int8"})
+    config = QuantizationConfig("int8_act", code_kinds={"lm_head": kind})
     head = ParallelLMHead(vocab, hidden, torch.float32, config, tied=True)
     assert head.codes_hold_the_embedding()
     head.tie_weights(embedding)
@@ -207,3 +225,30 @@ def test_a_tied_heads_codes_serve_the_embeddings_lookups():
     head.quant_method.process_weights_after_loading(head)
     ids = torch.tensor([0, 1, 15, 16, 17, 33, 69, 5, 5])
     assert torch.equal(embedding(ids), codes.dequantize()[ids])
+
+
+def test_a_layer_whose_parts_mix_kinds_takes_them_all_as_int8x():
+    """A fused qkv whose q is int4 (Q4_K), k int8 (Q8_0) and v int8x (Q6_K), as Q4_K_M files mix
+    them: every part's weights exactly, multiplied in one call."""
+    from pagedllm.layers.linear import QKVParallelLinear
+    from pagedllm.layers.quantization import code_layer_kinds
+
+    torch.manual_seed(6)
+    hidden, head_dim = 64, 16
+    parts = {"q": random_codes("int4", 64, hidden), "k": random_codes("int8", 32, hidden),
+             "v": random_codes("int8x", 32, hidden)}  # fmt: skip
+    names = {f"model.layers.0.self_attn.{p}_proj.weight": type(c) for p, c in parts.items()}
+    mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    kinds = code_layer_kinds(names, mapping, tie_word_embeddings=False)
+    assert kinds == {"model.layers.0.self_attn.qkv_proj": "int8x"}
+    config = QuantizationConfig("int8_act", code_kinds={"qkv": "int8x"})
+    layer = QKVParallelLinear(hidden, head_dim, 4, 2, False, torch.float32, config, prefix="qkv")
+    for shard, codes in enumerate(parts.values()):
+        layer.weight_loader(layer.weight, codes, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    weight = torch.cat([c.dequantize() for c in parts.values()])
+    assert torch.equal(Int8xWeight.of(parts["q"]).dequantize(), parts["q"].dequantize())
+    x = torch.randn(5, hidden)
+    q, d, _ = quantize_like_q8(x)
+    xd = (q.double().reshape(5, 2, 32) * d.double()[..., None]).reshape(5, hidden)
+    torch.testing.assert_close(layer(x).double(), xd @ weight.double().T, rtol=1e-5, atol=1e-4)

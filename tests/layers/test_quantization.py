@@ -18,8 +18,10 @@ from pagedllm.layers.quantization import (
     Int4Weight,
     Int8LinearMethod,
     Int8Weight,
+    Int8xWeight,
     QuantizationConfig,
     UnquantizedLinearMethod,
+    code_layer_kinds,
     layers_with_codes,
     pack_int4,
     unpack_int4,
@@ -237,6 +239,37 @@ def test_gguf_q4_k_blocks_up_to_float16_scales():
     _check(layer(x), _reference(x, dequantized(layer), None), torch.float32)
 
 
+@pytest.mark.parametrize("qtype", [_Q.Q6_K, _Q.Q5_K, _Q.Q5_1])
+def test_gguf_int8x_blocks_are_taken_exactly(qtype):
+    """Random blocks with sane float16 d (and dmin / m): the int8x codes give gguf's weights bit
+    for bit; the integer layer keeps the scales in float16 (2^-11 relative at most) and its
+    product is the float64 one of the same numbers, within float32 rounding."""
+    rng = np.random.default_rng(2)
+    n, k = 48, 512
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
+    for byte in {_Q.Q6_K: (208,), _Q.Q5_K: (0, 2), _Q.Q5_1: (0, 2)}[qtype]:  # d, dmin / m
+        d = (rng.random((len(blocks), 1)) * 0.01).astype(np.float16)
+        blocks[:, byte : byte + 2] = d.view(np.uint8)
+    raw = blocks.reshape(n, -1)
+    ref = _gguf_reference(raw, qtype)
+    codes = codes_from_gguf(raw, qtype)
+    assert isinstance(codes, Int8xWeight) and codes.q.shape == (n, k)
+    assert torch.equal(codes.dequantize(), ref)
+    config = QuantizationConfig("int8_act", code_kinds={"w": "int8x"})
+    layer = ColumnParallelLinear(k, n, False, torch.float32, config, prefix="w")
+    layer.weight_loader(layer.weight, codes)
+    kept = Int8xWeight(codes.q, codes.scale.half().float(), codes.min.half().float())
+    bound = (32 * codes.scale.abs().repeat_interleave(16, dim=1)
+             + codes.min.abs().repeat_interleave(32, dim=1)) * 2.0**-11 + 1e-7  # fmt: skip
+    assert ((kept.dequantize() - ref).abs() <= bound).all()
+    x = torch.randn(3, k)
+    xq, d, _, _ = kernels.cpu_ops().int8_act_quantize(x)
+    xd = (xq.double().reshape(3, -1, 32) * d.double()[..., None]).reshape(3, k)
+    want = xd @ kept.dequantize().double().T
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_other_gguf_types_are_not_codes():
     raw = np.ones((16, 128), np.uint8)  # 64 float16 per row
     assert codes_from_gguf(raw, _Q.F16) is None
@@ -325,3 +358,13 @@ def test_layers_with_codes_need_every_part_in_the_methods_kind():
         "model.embed_tokens"  # an embedding takes no codes: harmless
     }
     assert layers_with_codes(kinds, mapping, "none", tie_word_embeddings=True) == set()
+    # The integer path takes a layer whose parts mix kinds, and Q6_K / Q5_K codes, as int8x;
+    # the other methods do not.
+    kinds["model.layers.3.mlp.down_proj.weight"] = Int8xWeight
+    found = code_layer_kinds(kinds, mapping, tie_word_embeddings=True)
+    assert found["model.layers.1.mlp.gate_up_proj"] == "int8x"
+    assert found["model.layers.3.mlp.down_proj"] == "int8x"
+    assert found["model.layers.0.mlp.down_proj"] == "int4" and found["lm_head"] == "int8"
+    kinds["model.embed_tokens.weight"] = Int8xWeight  # a Q6_K embedding, tied
+    assert code_layer_kinds(kinds, mapping, tie_word_embeddings=True)["lm_head"] == "int8x"
+    assert "lm_head" not in layers_with_codes(kinds, mapping, "int8", tie_word_embeddings=True)

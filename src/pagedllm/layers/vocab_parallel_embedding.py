@@ -33,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.tp_size = tp_group().size
         self.dtype = dtype
-        self.head_codes: tuple[torch.Tensor, torch.Tensor] | None = None  # see gather_from
+        self.head_codes: tuple[torch.Tensor, ...] | None = None  # see gather_from
         self.takes_codes = False  # models/utils.load_weights: hand this the checkpoint's codes
 
     def gather_from(self, head: ParallelLMHead) -> None:
@@ -42,9 +42,10 @@ class VocabParallelEmbedding(nn.Module):
         in float32), no bytes of its own, and the checkpoint's tensor is never dequantized. One
         rank (the head's rows are then the whole vocabulary). `weight` becomes an empty
         placeholder whose loader only checks the checkpoint's shape."""
-        codes, scales, _ = head.quant_method.codes(head)
-        tiles, blocks = scales.shape[:2]
-        self.head_codes = (codes.view(tiles, blocks, 8, TILE, 4), scales)
+        # int8: no mins; int8x: mins, and two scales a block
+        codes, scales, mins = head.quant_method.codes(head)
+        tiles, blocks = codes.shape[:2]
+        self.head_codes = (codes.view(tiles, blocks, 8, TILE, 4), scales, mins)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
         self.weight.weight_loader = lambda _, loaded, shard_id=None: check_shape(
             loaded, (self.vocab_size, self.hidden_size)
@@ -52,11 +53,13 @@ class VocabParallelEmbedding(nn.Module):
         self.takes_codes = True
 
     def _rows_from_codes(self, input_ids: torch.Tensor) -> torch.Tensor:
-        codes, scales = self.head_codes
+        codes, scales, mins = self.head_codes
         tile, lane = input_ids // TILE, input_ids % TILE
         q = codes[tile, :, :, lane, :].to(torch.int16) - 128  # [T, blocks, 8 chunks, 4]
-        scale = scales[tile, :, lane].float()  # [T, blocks]
-        rows = q.reshape(*scale.shape, 32).float() * scale[..., None]
+        scale = scales[tile, :, lane].float()  # [T, blocks] (int8x: [T, 2 blocks], halves)
+        rows = q.reshape(*scale.shape, -1).float() * scale[..., None]
+        if mins is not None:  # int8x: q * scale + min, as Int8xWeight.dequantize
+            rows = rows.reshape(len(input_ids), -1, 32) + mins[tile, :, lane].float()[..., None]
         return rows.reshape(-1, self.hidden_size).to(self.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

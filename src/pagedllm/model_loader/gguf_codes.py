@@ -1,5 +1,5 @@
-"""GGUF blocks -> group-wise int4 / int8 codes (`Int4Weight`, `Int8Weight`), without a float
-round trip, for `--quantization` to use exactly as the file stores them.
+"""GGUF blocks -> group-wise int4 / int8 / int8x codes (`Int4Weight`, `Int8Weight`,
+`Int8xWeight`), without a float round trip, for the layers to use exactly as the file stores them.
 
 Q4_0, Q4_1 and Q4_K are 4-bit codes with a scale and an offset per group of 32 weights, which is
 the int4 layer's w = q * scale + min with group size 32; Q8_0 is the int8 layer's w = q * scale:
@@ -9,13 +9,18 @@ the int4 layer's w = q * scale + min with group size 32; Q8_0 is the int8 layer'
         (super-blocks of 256 = 8 sub-blocks of 32, each with 6-bit sc_j and m_j)
   Q8_0: w = d * q                -> scale = d
   Q5_0: w = d * (q - 16)         -> int8 codes q - 16 (in -16..15), scale = d
+and as int8x codes (q, a scale per 16 columns, a min per 32), which only the integer kernels take:
+  Q6_K: w = d sc_j (q - 32)      -> int8x codes q - 32 (in -32..31), scale = d sc_j, min = 0
+        (super-blocks of 256 = 16 sub-blocks of 16, each with an int8 sc_j)
+  Q5_K: w = d sc_j q - dmin m_j  -> int8x codes q (in 0..31), scale = d sc_j, min = -dmin m_j
+  Q5_1: w = d * q + m            -> int8x codes q (in 0..31), scale = d, min = m
 d, m, dmin are float16, which the layers keep: Q4_0, Q4_1 and Q8_0 are exact, and q * scale is
 exact in float32, so one rounding of q * scale + min gives gguf's own dequantized weights bit
-for bit (Q5_0 too, as int8 codes). Q4_K's d sc_j and dmin m_j can need more than float16's 11
-bits: the layer rounds them to float16 (a relative error under 2^-11 of a scale; tests bound it).
+for bit (Q5_0 and Q5_1 too). The K-quants' d sc_j and dmin m_j can need more than float16's 11
+bits: the codes hold them exactly (so they too give gguf's weights bit for bit), the layers round
+them to float16 (a relative error under 2^-11 of a scale; tests bound it).
 
-Other types (K-quants other than Q4_K, ...) return None: they are dequantized to float and
-quantized again at load.
+Other types (Q2_K, Q3_K, the IQ types, ...) return None: they are dequantized to float.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.layers.quantization import Int4Weight, Int8Weight, QuantWeight, pack_int4
+from pagedllm.layers.quantization import Int4Weight, Int8Weight, Int8xWeight, QuantWeight, pack_int4
 
 _T = gguf.GGMLQuantizationType
-CODE_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q8_0, _T.Q5_0)
-_INT8_TYPES = (_T.Q8_0, _T.Q5_0)
+_KINDS = {
+    **dict.fromkeys((_T.Q4_0, _T.Q4_1, _T.Q4_K), Int4Weight),
+    **dict.fromkeys((_T.Q8_0, _T.Q5_0), Int8Weight),
+    **dict.fromkeys((_T.Q6_K, _T.Q5_K, _T.Q5_1), Int8xWeight),
+}
+CODE_TYPES = tuple(_KINDS)
 
 
 def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
@@ -46,9 +55,7 @@ def _f16(blocks: np.ndarray, byte: int) -> np.ndarray:
 
 def code_kind(ggml_type) -> type | None:
     """What codes_from_gguf makes of a tensor of this type (without decoding it), or None."""
-    if ggml_type not in CODE_TYPES:
-        return None
-    return Int8Weight if ggml_type in _INT8_TYPES else Int4Weight
+    return _KINDS.get(ggml_type)
 
 
 def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
@@ -71,6 +78,9 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
         qh = blocks[:, 2:6].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
         q = (_nibbles(blocks[:, 6:], 16) | ((qh & 1).astype(np.uint8) << 4)).astype(np.int8) - 16
         return Int8Weight(q=tensor(q, np.int8, k), scale=tensor(_f16(blocks, 0)))
+    if _KINDS[ggml_type] is Int8xWeight:
+        q, scale, mn = _int8x(blocks, ggml_type)
+        return Int8xWeight(tensor(q, np.int8, k), tensor(scale, cols=k // 16), tensor(mn))
     if ggml_type == _T.Q4_0:  # the 16 bytes of codes are pack_int4's order already
         scale = _f16(blocks, 0)
         mn = -8 * scale
@@ -85,3 +95,28 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
         mn = (-dmin[:, None] * m.astype(np.float32)).reshape(-1)
         packed = pack_int4(tensor(_nibbles(blocks[:, 16:], 32), np.uint8, k))
     return Int4Weight(packed=packed, scale=tensor(scale), min=tensor(mn))
+
+
+def _int8x(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K / Q5_K / Q5_1 blocks -> codes [blocks, block size], scales (one per 16 codes) and mins
+    (one per 32), float32, each in the codes' order (gguf.quants' dequantize_blocks read alike)."""
+    n = blocks.shape[0]
+    if ggml_type == _T.Q5_1:  # d, m, 4 bytes of fifth bits (bit j: element j), 16 bytes of nibbles
+        qh = blocks[:, 4:8].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+        q = _nibbles(blocks[:, 8:], 16) | ((qh & 1).astype(np.uint8) << 4)
+        return q, np.repeat(_f16(blocks, 0), 2), _f16(blocks, 2)
+    if ggml_type == _T.Q5_K:  # d, dmin, 12 bytes of 6-bit (sc, m), 32 of fifth bits, 128 of nibbles
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        fifth = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        low = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
+        q = low | ((fifth & 1) << 4)
+        scale = d[:, None] * sc.reshape(n, 8).astype(np.float32)
+        return q, np.repeat(scale, 2, axis=1), -dmin[:, None] * m.reshape(n, 8).astype(np.float32)
+    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 sub-block scales, d
+    low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    pairs = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts).reshape(n, 8, 32)
+    q = (low | ((pairs & 3) << 4)).astype(np.int8) - 32
+    scale = _f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return q, scale, np.zeros((n, 8), np.float32)

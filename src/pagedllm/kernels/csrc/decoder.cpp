@@ -96,7 +96,8 @@ struct Linear {
       case kInt8: return with_bias(int8_linear(x, weights[0], weights[1]));
       case kInt8Act: {
         const std::optional<at::Tensor> mins = weights.size() > 2 ? std::optional(weights[2]) : std::nullopt;
-        return with_bias(int8_act_linear(x, weights[0], weights[1], mins, mins ? 4 : 8, rows, ""));
+        // codes [tiles, blocks, chunks, 16, 4]: 4 chunks a block for int4, 8 for int8 / int8x
+        return with_bias(int8_act_linear(x, weights[0], weights[1], mins, weights[0].size(2), rows, ""));
       }
     }
     TORCH_CHECK(false, "unknown linear kind");

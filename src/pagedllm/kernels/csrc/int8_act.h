@@ -14,11 +14,15 @@
 //        high nibble (a ggml Q4 block's 16 bytes cut into four).
 //   int8 (w = q * scale, q in -127..127): codes [tiles][blocks][8 chunks][16 rows][4 bytes],
 //        each byte q + 128 (unsigned, for vpdpbusd; the 128 * sum(x) it adds is taken back).
-//   scales (and int4's mins): float16 [tiles][blocks][16 rows].
+//   int8x (w = q * scale_h + min: int8's codes with a scale per half block of 16 columns and a
+//        min per block; GGUF's Q6_K, Q5_K and Q5_1, and layers whose parts mix kinds).
+//   scales: float16 [tiles][blocks][halves][16 rows] (halves: 2 for int8x, else 1);
+//   mins (int4 and int8x): float16 [tiles][blocks][16 rows].
 //
 // Every output takes one fixed sequence of float operations whatever the variant, the row count
-// or the tile's place (see finish_block): per block in order, the block's exact int32 sum isum,
-//   acc = fma(float(isum), scale * d, acc)                   then, for int4,
+// or the tile's place: per block in order, for each half h (one for int4 and int8) its exact
+// int32 sum isum_h, then
+//   acc = fma(float(isum_h), scale_h * d, acc)               then, with mins,
 //   acc = fma(min, d * float(sum_q), acc)
 // so every variant's result equals the reference's bit for bit, and a row's result does not
 // depend on the other rows of the step.
@@ -39,6 +43,7 @@ struct Activations {
   const int8_t* q;     // [M][K]
   const float* d;      // [M][K / 32]
   const int32_t* sum;  // [M][K / 32]
+  const int32_t* sum16;  // [M][K / 16]: the sums of each half block (int8x's codes)
   int64_t K;
 };
 
@@ -46,8 +51,9 @@ struct Activations {
 struct Weights {
   const uint8_t* codes;
   const uint16_t* scales;  // float16 bits
-  const uint16_t* mins;    // float16 bits; int4 only
+  const uint16_t* mins;    // float16 bits; int4 and int8x, else null
   int bits;                // 4 or 8
+  int halves;              // scales per block: 2 for int8x, else 1
   int64_t K, N;            // N: real output rows (the last tile may be partly padding)
   int64_t blocks() const { return K / kBlock; }
   int64_t tile_bytes() const { return blocks() * kBlock * kTile * bits / 8; }

@@ -23,13 +23,14 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-template <int R, int kBits>
+// kHalves: scales per block (2: int8x); kMins: int4 and int8x.
+template <int R, int kBits, int kHalves, bool kMins>
 inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
                       int64_t ldy) {
   const int64_t blocks = w.blocks(), K = w.K;
   const uint8_t* codes = w.codes + t * w.tile_bytes();
-  const uint16_t* scales = w.scales + t * blocks * kTile;
-  const uint16_t* mins = kBits == 4 ? w.mins + t * blocks * kTile : nullptr;
+  const uint16_t* scales = w.scales + t * blocks * kHalves * kTile;
+  const uint16_t* mins = kMins ? w.mins + t * blocks * kTile : nullptr;
   constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
@@ -48,43 +49,49 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
     const uint8_t* cb = codes + b * kBlockBytes;
     _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
-    __m256i isum[R][2];
-    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (kBits == 4) {
+    __m256i isum[R][2];  // [row][which 8 of the tile's 16 output rows]
+    for (int g = 0; g < kHalves; ++g) {  // the whole block, or each half block of int8x
+      for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kBits == 4) {
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(v, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xb = x.q + (m + r) * K + b * kBlock;
-            // Each pair is at most 2 * 15 * 127: two chunks' pairs add in 16 bits.
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)),
-                                               _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
-            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
+            const __m256i lo = _mm256_and_si256(v, nibble);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xb = x.q + (m + r) * K + b * kBlock;
+              // Each pair is at most 2 * 15 * 127: two chunks' pairs add in 16 bits.
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)),
+                                                 _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
+              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+            }
+          }
+        } else {
+          constexpr int kChunks = 8 / kHalves;
+#pragma GCC unroll 8
+          for (int j = g * kChunks; j < (g + 1) * kChunks; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
+            const __m256i q = _mm256_xor_si256(v, flip);  // the signed code
+            const __m256i a = _mm256_abs_epi8(q);
+            for (int r = 0; r < R; ++r) {
+              const __m256i xs = _mm256_sign_epi8(broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j), q);
+              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones));
+            }
           }
         }
-      } else {
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
-          const __m256i q = _mm256_xor_si256(v, flip);  // the signed code
-          const __m256i a = _mm256_abs_epi8(q);
-          for (int r = 0; r < R; ++r) {
-            const __m256i xs = _mm256_sign_epi8(broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j), q);
-            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones));
-          }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const uint16_t* s = scales + (b * kHalves + g) * kTile + h * 8;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+        for (int r = 0; r < R; ++r) {
+          const float xd = x.d[(m + r) * blocks + b];
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[r][h]);
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kTile + h * 8)));
-      for (int r = 0; r < R; ++r) {
-        const float xd = x.d[(m + r) * blocks + b];
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[r][h]);
-      }
-      if constexpr (kBits == 4) {
+    if constexpr (kMins) {
+      for (int h = 0; h < 2; ++h) {
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kTile + h * 8)));
         for (int r = 0; r < R; ++r) {
           const float xs = x.d[(m + r) * blocks + b] * static_cast<float>(x.sum[(m + r) * blocks + b]);
@@ -107,7 +114,7 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
   }
 }
 
-template <int kBits>
+template <int kBits, int kHalves, bool kMins>
 struct RowsTile {
   const Activations& x;
   const Weights& w;
@@ -116,13 +123,13 @@ struct RowsTile {
   template <int R, int NT>
   void operator()(int64_t m, int64_t t, Span span) const {
     static_assert(NT == 1, "one tile at a time (16 registers)");
-    rows_tile<R, kBits>(x, m, w, t, span, y, ldy);
+    rows_tile<R, kBits, kHalves, kMins>(x, m, w, t, span, y, ldy);
   }
 };
 
-template <int kBits>
+template <int kBits, int kHalves, bool kMins>
 void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  walk_tiles<2, 1>(M, w, t0, t1, RowsTile<kBits>{x, w, y, ldy});
+  walk_tiles<2, 1>(M, w, t0, t1, RowsTile<kBits, kHalves, kMins>{x, w, y, ldy});
 }
 
 }  // namespace
@@ -130,9 +137,11 @@ void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_
 void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
                 int64_t ldy) {
   if (w.bits == 4)
-    tiles<4>(x, M, w, t0, t1, y, ldy);
+    tiles<4, 1, true>(x, M, w, t0, t1, y, ldy);
+  else if (w.halves == 2)
+    tiles<8, 2, true>(x, M, w, t0, t1, y, ldy);
   else
-    tiles<8>(x, M, w, t0, t1, y, ldy);
+    tiles<8, 1, false>(x, M, w, t0, t1, y, ldy);
 }
 
 }  // namespace int8_act

@@ -18,30 +18,35 @@
 namespace pagedllm {
 namespace int8_act {
 
-// One row of K floats -> codes, block scales and block sums (int8_act.h). Plain loops: the
-// compiler vectorises them, and they must equal the reference's arithmetic exactly.
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sum) {
+// One row of K floats -> codes, block scales, block sums and half-block sums (int8_act.h).
+// Plain loops: the compiler vectorises them, and they must equal the reference's arithmetic.
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sum, int32_t* sum16) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float scale = amax / 127.f;
     const float inv = scale != 0.f ? 1.f / scale : 0.f;
-    int32_t s = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const float r = std::nearbyint(xb[i] * inv);  // to nearest, ties to even
-      const int32_t v = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
-      q[b * kBlock + i] = static_cast<int8_t>(v);
-      s += v;
+    int32_t s[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      s[h] = 0;
+      for (int64_t i = 16 * h; i < 16 * h + 16; ++i) {
+        const float r = std::nearbyint(xb[i] * inv);  // to nearest, ties to even
+        const int32_t v = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+        q[b * kBlock + i] = static_cast<int8_t>(v);
+        s[h] += v;
+      }
     }
     d[b] = scale;
-    sum[b] = s;
+    sum[b] = s[0] + s[1];
+    sum16[2 * b] = s[0];
+    sum16[2 * b + 1] = s[1];
   }
 }
 
 void tiles_reference(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
                      int64_t ldy) {
-  const int64_t blocks = w.blocks(), K = w.K;
+  const int64_t blocks = w.blocks(), K = w.K, halves = w.halves;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w.codes + t * w.tile_bytes();
     for (int64_t m = 0; m < M; ++m) {
@@ -50,26 +55,31 @@ void tiles_reference(const Activations& x, int64_t M, const Weights& w, int64_t 
         float acc = 0.f;
         for (int64_t b = 0; b < blocks; ++b) {
           const int8_t* xb = xq + b * kBlock;
-          const int64_t at = (t * blocks + b) * kTile + lane;
-          int32_t isum = 0;
+          int32_t isum[2] = {0, 0};  // per half block of 16 columns
           if (w.bits == 4) {
             const uint8_t* codes = tile + b * 256;
             for (int j = 0; j < 4; ++j) {
               for (int i = 0; i < 4; ++i) {
                 const uint8_t byte = codes[j * 64 + lane * 4 + i];
-                isum += (byte & 15) * xb[4 * j + i] + (byte >> 4) * xb[16 + 4 * j + i];
+                isum[0] += (byte & 15) * xb[4 * j + i] + (byte >> 4) * xb[16 + 4 * j + i];
               }
             }
           } else {
             const uint8_t* codes = tile + b * 512;
             for (int j = 0; j < 8; ++j)
               for (int i = 0; i < 4; ++i)
-                isum += (static_cast<int32_t>(codes[j * 64 + lane * 4 + i]) - 128) * xb[4 * j + i];
+                isum[halves == 2 ? j / 4 : 0] +=
+                    (static_cast<int32_t>(codes[j * 64 + lane * 4 + i]) - 128) * xb[4 * j + i];
           }
           const float xd = x.d[m * blocks + b];
-          acc = std::fma(static_cast<float>(isum), half_bits_to_float(w.scales[at]) * xd, acc);
-          if (w.bits == 4)
+          for (int64_t h = 0; h < halves; ++h) {
+            const int64_t at = ((t * blocks + b) * halves + h) * kTile + lane;
+            acc = std::fma(static_cast<float>(isum[h]), half_bits_to_float(w.scales[at]) * xd, acc);
+          }
+          if (w.mins) {
+            const int64_t at = (t * blocks + b) * kTile + lane;
             acc = std::fma(half_bits_to_float(w.mins[at]), xd * static_cast<float>(x.sum[m * blocks + b]), acc);
+          }
         }
         y[m * ldy + t * kTile + lane] = acc;
       }
@@ -121,15 +131,16 @@ std::vector<at::Tensor> int8_act_quantize(const at::Tensor& x) {
   at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor d = at::empty({M, blocks}, xf.options());
   at::Tensor sum = at::empty({M, blocks}, xf.options().dtype(at::kInt));
+  at::Tensor sum16 = at::empty({M, 2 * blocks}, xf.options().dtype(at::kInt));
   const float* xp = xf.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
-  int32_t* sp = sum.data_ptr<int32_t>();
+  int32_t *sp = sum.data_ptr<int32_t>(), *hp = sum16.data_ptr<int32_t>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      int8_act::quantize_row(xp + m * K, K, qp + m * K, dp + m * blocks, sp + m * blocks);
+      int8_act::quantize_row(xp + m * K, K, qp + m * K, dp + m * blocks, sp + m * blocks, hp + 2 * m * blocks);
   });
-  return {q, d, sum};
+  return {q, d, sum, sum16};
 }
 
 at::Tensor int8_act_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -138,22 +149,27 @@ at::Tensor int8_act_linear(const at::Tensor& x, const at::Tensor& codes, const a
   using namespace int8_act;
   TORCH_CHECK(x.dim() == 2, "x: [M, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  TORCH_CHECK((bits == 4) == mins.has_value(), "int4 codes take mins, int8 codes none");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = (n + kTile - 1) / kTile;
+  // int8x: int8 codes with a scale per half block (twice int8's scales) and mins
+  const int64_t halves = bits == 8 && scales.numel() == 2 * tiles * blocks * kTile ? 2 : 1;
+  TORCH_CHECK((bits == 4 || halves == 2) == mins.has_value(), "int4 and int8x codes take mins, int8 codes none");
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32, got ", K);
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
                   codes.numel() == tiles * blocks * kBlock * kTile * bits / 8,
               "codes: uint8, repacked for ", n, " rows of ", K, " columns");
-  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 && scales.numel() == tiles * blocks * kTile,
-              "scales: float16 [tiles, blocks, 16]");
-  if (mins) TORCH_CHECK(mins->is_contiguous() && mins->element_size() == 2 && mins->numel() == scales.numel(),
-                        "mins: as scales");
+  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 &&
+                  scales.numel() == halves * tiles * blocks * kTile,
+              "scales: float16 [tiles, blocks, 16] (int8x: [tiles, blocks, 2, 16])");
+  if (mins)
+    TORCH_CHECK(mins->is_contiguous() && mins->element_size() == 2 && mins->numel() == tiles * blocks * kTile,
+                "mins: float16 [tiles, blocks, 16]");
   const TileKernel kernel = kernel_named(variant);
   const std::vector<at::Tensor> xq = int8_act_quantize(x);
-  const Activations a{xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(), xq[2].data_ptr<int32_t>(), K};
+  const Activations a{xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(), xq[2].data_ptr<int32_t>(),
+                      xq[3].data_ptr<int32_t>(), K};
   const Weights w{codes.data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.data_ptr()),
                   mins ? static_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
-                  static_cast<int>(bits), K, n};
+                  static_cast<int>(bits), static_cast<int>(halves), K, n};
   at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { kernel(a, M, w, t0, t1, yp, n); });
@@ -166,11 +182,12 @@ void register_int8_act(pybind11::module& m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("int8_act_linear", &pagedllm::int8_act_linear, no_gil, py::arg("x"), py::arg("codes"),
         py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("n"), py::arg("variant") = "",
-        "x [M, K] (8-bit per block of 32 on the way in) @ repacked int4 / int8 codes -> [M, n] in "
+        "x [M, K] (8-bit per block of 32 on the way in) @ repacked int4 / int8 / int8x codes -> [M, n] in "
         "x's dtype, in integers (int8_act.h); variant: '' for the fastest, or one of "
         "int8_act_variants()");
   m.def("int8_act_quantize", &pagedllm::int8_act_quantize, no_gil,
-        "x [M, K] -> (codes int8 [M, K], scales float32 [M, K / 32], sums int32 [M, K / 32])");
+        "x [M, K] -> (codes int8 [M, K], scales float32 [M, K / 32], sums int32 [M, K / 32], "
+        "half-block sums int32 [M, K / 16])");
   m.def("int8_act_variants", &pagedllm::int8_act_variants,
         "the integer kernels this build has, fastest first; 'reference' always");
 }

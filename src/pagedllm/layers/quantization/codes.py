@@ -1,5 +1,7 @@
 """Group-wise int4 / int8 codes in ggml's blocks of 32 input channels, as a GGUF's Q4_0 / Q4_1 /
-Q4_K / Q8_0 blocks hold them (model_loader/gguf_codes.py), or quantized from float weights.
+Q4_K / Q8_0 blocks hold them (model_loader/gguf_codes.py), or quantized from float weights; and
+int8x, 8-bit codes with a scale per half group and a min per group, which Q6_K, Q5_K and Q5_1
+become for the integer kernels (layers/quantization/int8_act.py).
 
 Every row, and every group of 32 columns in it, quantizes on its own: the codes of a matrix's
 rows (or of its columns, cut on group boundaries) are those rows (columns) of the whole matrix's
@@ -25,11 +27,9 @@ def _groups(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _Codes:
-    """Row and column slices, shared by both kinds of codes."""
+    """Row and column slices, shared by every kind of codes."""
 
     q: torch.Tensor
-    _codes_field: str  # the field holding the codes, and how many a byte of it holds
-    _codes_per_byte: int
 
     @property
     def shape(self) -> torch.Size:
@@ -44,13 +44,11 @@ class _Codes:
             raise ValueError(
                 f"quantized columns split on groups of {BLOCK}, not at {start}..{start + length}"
             )
-        per_column = self._codes_per_byte
-        columns = {
-            f.name: getattr(self, f.name).narrow(1, start // BLOCK, length // BLOCK)
-            for f in fields(self)
-        }
-        codes = self._codes_field
-        columns[codes] = getattr(self, codes).narrow(1, start // per_column, length // per_column)
+        k = self.shape[1]  # every field's columns are a fixed fraction of K's
+        columns = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            columns[f.name] = t.narrow(1, start * t.shape[1] // k, length * t.shape[1] // k)
         return replace(self, **columns)
 
 
@@ -62,7 +60,6 @@ class Int4Weight(_Codes):
     packed: torch.Tensor  # uint8 [N, K / 2]: pack_int4's order
     scale: torch.Tensor  # float32 [N, K / 32]
     min: torch.Tensor  # float32 [N, K / 32]
-    _codes_field, _codes_per_byte = "packed", 2
 
     @property
     def q(self) -> torch.Tensor:
@@ -97,7 +94,6 @@ class Int8Weight(_Codes):
 
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32]
-    _codes_field, _codes_per_byte = "q", 1
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
@@ -113,7 +109,42 @@ class Int8Weight(_Codes):
         return self.q.float() * self.scale.repeat_interleave(BLOCK, dim=1)
 
 
-QuantWeight = Int4Weight | Int8Weight
+HALF = BLOCK // 2  # Q6_K's sub-blocks: int8x's scales are per half group
+
+
+@dataclass
+class Int8xWeight(_Codes):
+    """8-bit codes with a scale per half group of 16 columns and a min per group:
+    w[n, k] = q[n, k] * scale[n, k // 16] + min[n, k // 32]. What the integer kernels take for
+    GGUF's Q6_K (16-column sub-blocks), Q5_K and Q5_1 (5-bit codes with mins), and for a layer
+    whose parts the file stores in different kinds (of, below)."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K / 16]
+    min: torch.Tensor  # float32 [N, K / 32]
+
+    @classmethod
+    def of(cls, codes: QuantWeight) -> Int8xWeight:
+        """The same weights as int8x codes, exactly (int4's codes 0..15 and int8's fit 8 bits;
+        their group scale serves both halves)."""
+        if isinstance(codes, Int8xWeight):
+            return codes
+        scale = codes.scale.repeat_interleave(2, dim=1)
+        if isinstance(codes, Int4Weight):
+            return cls(codes.q.to(torch.int8), scale, codes.min)
+        return cls(codes.q, scale, torch.zeros_like(codes.scale))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8xWeight:
+        return cls.of(Int8Weight.from_float(weight))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: q * scale + min."""
+        scale = self.scale.repeat_interleave(HALF, dim=1)
+        return torch.addcmul(self.min.repeat_interleave(BLOCK, dim=1), self.q.float(), scale)
+
+
+QuantWeight = Int4Weight | Int8Weight | Int8xWeight
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.distributed import tp_group
 from pagedllm.layers.quantization.base import LinearMethodBase
-from pagedllm.layers.quantization.codes import BLOCK, Int4Weight, Int8Weight
+from pagedllm.layers.quantization.codes import BLOCK, Int4Weight, Int8Weight, Int8xWeight
 from pagedllm.layers.quantization.dual import DualLinearMethod
 from pagedllm.layers.quantization.int8_act import Int8ActLinearMethod
 from pagedllm.layers.quantization.int_linear import Int4LinearMethod, Int8LinearMethod
@@ -69,11 +69,13 @@ class QuantizationConfig:
         weight alone elsewhere."""
         kind = self.code_kinds.get(prefix)
         start, size = layer.input_start, layer.input_size_per_partition
+        if self.method == "auto" and kind not in METHODS:
+            kind = None  # int8x codes: only the integer kernels take them
         if kind is None or start % BLOCK or size % BLOCK:
             return UnquantizedLinearMethod(self.prepack, self.fixed_order)
-        codes = METHODS[kind](takes_codes=True, tied=layer.tied, fixed_order=self.fixed_order)
         if self.method == "int8_act":
-            return Int8ActLinearMethod(codes)
+            return Int8ActLinearMethod(kind)
+        codes = METHODS[kind](takes_codes=True, tied=layer.tied, fixed_order=self.fixed_order)
         return DualLinearMethod(codes, self.prepack, layer.tied)
 
 
@@ -93,7 +95,7 @@ def layers_with_codes(
     return frozenset(
         layer
         for layer, kind in kinds.items()
-        if kind == method or (layer == "lm_head" and tie_word_embeddings)  # int8, as tied heads
+        if kind == method or (layer == "lm_head" and tie_word_embeddings and kind == "int8")
     )
 
 
@@ -102,9 +104,10 @@ def code_layer_kinds(
     packed_modules_mapping: Mapping[str, list[str]],
     tie_word_embeddings: bool,
 ) -> dict[str, str]:
-    """Layer -> "int4" | "int8" for the layers whose every part the checkpoint stores in codes
-    of one kind; a tied LM head -> "int8" when the embedding's are int8 codes."""
-    names = {Int4Weight: "int4", Int8Weight: "int8"}
+    """Layer -> "int4" | "int8" | "int8x" for the layers whose every part the checkpoint stores
+    in codes: "int8x" where they are of that kind or of different kinds (Int8xWeight.of makes
+    any of them int8x, exactly); a tied LM head -> the embedding's kind when it is int8 or int8x."""
+    names = {Int4Weight: "int4", Int8Weight: "int8", Int8xWeight: "int8x"}
     part_of = {p: (packed, len(ps)) for packed, ps in packed_modules_mapping.items() for p in ps}
     kinds: dict[str, list[type]] = {}
     needed: dict[str, int] = {}
@@ -117,10 +120,11 @@ def code_layer_kinds(
         kinds.setdefault(layer, []).append(kind)
         needed[layer] = parts
     found = {
-        layer: names[k[0]]
+        layer: names[k[0]] if len(set(k)) == 1 else "int8x"
         for layer, k in kinds.items()
-        if len(k) == needed[layer] and len(set(k)) == 1 and k[0] in names
+        if len(k) == needed[layer] and all(kind in names for kind in k)
     }
-    if tie_word_embeddings and code_kinds.get("model.embed_tokens.weight") is Int8Weight:
-        found["lm_head"] = "int8"
+    embedding = code_kinds.get("model.embed_tokens.weight")
+    if tie_word_embeddings and embedding in (Int8Weight, Int8xWeight):
+        found["lm_head"] = names[embedding]
     return found

@@ -17,8 +17,13 @@ from torch import nn
 
 from pagedllm import kernels
 from pagedllm.layers.quantization.base import LinearMethodBase
-from pagedllm.layers.quantization.codes import BLOCK, Int4Weight, QuantWeight
-from pagedllm.layers.quantization.int_linear import _BlockQuantMethod
+from pagedllm.layers.quantization.codes import (
+    BLOCK,
+    Int4Weight,
+    Int8Weight,
+    Int8xWeight,
+    QuantWeight,
+)
 
 TILE = 16  # output rows interleaved in the kernels' layout
 
@@ -27,10 +32,13 @@ def _tiles(rows: int) -> int:
     return -(-rows // TILE)
 
 
+KINDS = {"int4": Int4Weight, "int8": Int8Weight, "int8x": Int8xWeight}
+
+
 def _words(codes: QuantWeight) -> torch.Tensor:
     """int32 [N, K / 32, chunks]: each row's codes as the kernels read them, 4 bytes (one word)
-    at a time (int4: a Q4 block's 16 bytes as they are; int8: the codes + 128). Moved as words,
-    the layout's strided copy is a quarter of the elements."""
+    at a time (int4: a Q4 block's 16 bytes as they are; int8 and int8x: the codes + 128). Moved
+    as words, the layout's strided copy is a quarter of the elements."""
     if isinstance(codes, Int4Weight):
         chunks = codes.packed.reshape(codes.shape[0], -1, 4, 4)
     else:
@@ -46,10 +54,11 @@ class Int8ActLinearMethod(LinearMethodBase):
     takes_codes = True
     fixed_order = True  # batch invariant by construction
 
-    def __init__(self, codes: _BlockQuantMethod, variant: str = ""):
-        """codes: the method whose kind of codes (int4 or int8) the checkpoint has; variant: the
-        kernel to run ('' for the fastest this CPU has; tests name others)."""
-        self.codes_cls, self.bits, self.variant = codes.codes_cls, codes.bits, variant
+    def __init__(self, kind: str, variant: str = ""):
+        """kind: the layer's codes, "int4", "int8" or "int8x" (config.code_layer_kinds); variant:
+        the kernel to run ('' for the fastest this CPU has; tests name others)."""
+        self.kind, self.codes_cls, self.variant = kind, KINDS[kind], variant
+        self.bits = 4 if kind == "int4" else 8
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
@@ -57,22 +66,27 @@ class Int8ActLinearMethod(LinearMethodBase):
         codes = torch.empty(tiles, blocks, chunks, TILE, 4, dtype=torch.uint8)
         codes[-1].zero_()  # the last tile's padding rows (codes + 128 of 0: a zero weight)
         layer.register_buffer("int8_act_codes", codes)
-        names = ("int8_act_scales", "int8_act_mins")[: 1 if self.bits == 8 else 2]
-        for name in names:
-            layer.register_buffer(name, torch.zeros(tiles, blocks, TILE, dtype=torch.float16))
+        halves = 2 if self.kind == "int8x" else 1
+        scales = torch.zeros(tiles, blocks * halves, TILE, dtype=torch.float16)
+        layer.register_buffer("int8_act_scales", scales)
+        if self.kind != "int8":
+            mins = torch.zeros(tiles, blocks, TILE, dtype=torch.float16)
+            layer.register_buffer("int8_act_mins", mins)
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
 
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantWeight, row: int) -> None:
         if isinstance(loaded, torch.Tensor):  # a tied head's padding rows, or float weights
             loaded = self.codes_cls.from_float(loaded.float())
+        if self.kind == "int8x":  # a part of another kind in a layer that mixes them
+            loaded = Int8xWeight.of(loaded)
         if not isinstance(loaded, self.codes_cls):
-            raise ValueError(f"has {type(loaded).__name__} codes, not int{self.bits}")
+            raise ValueError(f"has {type(loaded).__name__} codes, not {self.kind}")
         parts = [
             (layer.int8_act_codes.view(torch.int32).squeeze(-1).permute(0, 3, 1, 2), _words(loaded))
         ]
         parts.append((layer.int8_act_scales.transpose(1, 2), loaded.scale))
-        if self.bits == 4:
+        if self.kind != "int8":
             parts.append((layer.int8_act_mins.transpose(1, 2), loaded.min))
         # [tiles, 16 rows, ...] views: whole tiles as slices (one strided copy), the rest by row
         end, first = row + loaded.shape[0], -(-row // TILE)
@@ -94,7 +108,8 @@ class Int8ActLinearMethod(LinearMethodBase):
             del layer.weight
 
     def codes(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        """The kernel's arguments after x: codes, scales, mins (None for int8)."""
+        """The kernel's arguments after x: codes, scales, mins (None for int8). int8x's scales
+        are [tiles, blocks * 2, 16]: each block's two halves in turn."""
         mins = getattr(layer, "int8_act_mins", None)
         return layer.int8_act_codes, layer.int8_act_scales, mins
 
