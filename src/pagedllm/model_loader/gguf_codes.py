@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.layers.quantization import Int4Weight, Int8Weight, Int8xWeight, QuantWeight, pack_int4
+from pagedllm.layers.quantization import Int4Weight, Int8Weight, Int8xWeight, QuantWeight
 
 _T = gguf.GGMLQuantizationType
 _KINDS = {
@@ -43,8 +43,23 @@ CODE_TYPES = tuple(_KINDS)
 def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
     """[blocks, bytes] -> codes [blocks, 2 * bytes]: in every run of `span` bytes the low
     nibbles are elements 0..span-1 and the high nibbles elements span..2 span - 1."""
-    b = qs.reshape(qs.shape[0], -1, 1, span)
-    return ((b >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(qs.shape[0], -1)
+    b = qs.reshape(qs.shape[0], -1, span)
+    out = np.empty((qs.shape[0], b.shape[1], 2, span), np.uint8)
+    np.bitwise_and(b, 0x0F, out=out[:, :, 0])
+    np.right_shift(b, 4, out=out[:, :, 1])
+    return out.reshape(qs.shape[0], -1)
+
+
+def _q4_k_packed(qs: np.ndarray) -> np.ndarray:
+    """Q4_K's 128 bytes of codes a super-block -> pack_int4's order, byte for byte: each 32-byte
+    run holds a 32-code block in its low nibbles and the next in its high nibbles, and a packed
+    block's byte i holds its codes i and i + 16."""
+    run = qs.reshape(qs.shape[0], -1, 2, 16)  # [blocks, runs, bytes 0..15 / 16..31, 16]
+    first, second = run[:, :, 0], run[:, :, 1]
+    out = np.empty((qs.shape[0], run.shape[1], 2, 16), np.uint8)
+    np.bitwise_or(first & 0x0F, second << 4, out=out[:, :, 0])  # the low nibbles' block
+    np.bitwise_or(first >> 4, second & 0xF0, out=out[:, :, 1])  # the high nibbles' block
+    return out.reshape(qs.shape[0], -1)
 
 
 def _f16(blocks: np.ndarray, byte: int) -> np.ndarray:
@@ -93,7 +108,7 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
         scale = (d[:, None] * sc.astype(np.float32)).reshape(-1)
         mn = (-dmin[:, None] * m.astype(np.float32)).reshape(-1)
-        packed = pack_int4(tensor(_nibbles(blocks[:, 16:], 32), np.uint8, k))
+        packed = torch.from_numpy(_q4_k_packed(blocks[:, 16:]).reshape(rows, k // 2))
     return Int4Weight(packed=packed, scale=tensor(scale), min=tensor(mn))
 
 
@@ -109,14 +124,16 @@ def _int8x(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.nd
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
         fifth = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        low = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
-        q = low | ((fifth & 1) << 4)
+        q = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
+        q |= (fifth & 1) << 4
         scale = d[:, None] * sc.reshape(n, 8).astype(np.float32)
         return q, np.repeat(scale, 2, axis=1), -dmin[:, None] * m.reshape(n, 8).astype(np.float32)
     # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 sub-block scales, d
-    low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
-    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    pairs = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts).reshape(n, 8, 32)
-    q = (low | ((pairs & 3) << 4)).astype(np.int8) - 32
+    q = _nibbles(blocks[:, :128], 64).reshape(n, 2, 4, 32)
+    pairs = blocks[:, 128:192].reshape(n, 2, 32)
+    for i in range(4):  # bits 2i, 2i + 1 of each byte: elements 32 i.. of its half
+        q[:, :, i] |= ((pairs >> (2 * i)) & 3) << 4
+    q = q.reshape(n, 256).view(np.int8)
+    q -= 32
     scale = _f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
     return q, scale, np.zeros((n, 8), np.float32)
