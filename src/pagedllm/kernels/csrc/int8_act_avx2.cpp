@@ -15,8 +15,6 @@ namespace pagedllm {
 namespace int8_act {
 namespace {
 
-constexpr int64_t kAhead = 4096;
-
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -47,8 +45,6 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
   }
   for (int64_t b = span.b0; b < span.b1; ++b) {
     const uint8_t* cb = codes + b * kBlockBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb + kAhead + 64), _MM_HINT_T0);
     __m256i isum[R][2];  // [row][which 8 of the tile's 16 output rows]
     for (int g = 0; g < kHalves; ++g) {  // the whole block, or each half block of int8x
       for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();

@@ -14,8 +14,6 @@ namespace pagedllm {
 namespace int8_act {
 namespace {
 
-constexpr int64_t kAhead = 4096;   // bytes of codes fetched ahead of use (decode streams them)
-
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -44,10 +42,6 @@ inline void rows_tiles(const Activations& x, int64_t m, const Weights& w, int64_
   }
   for (int64_t b = span.b0; b < span.b1; ++b) {
     const uint8_t* cb = codes + b * kBlockBytes;
-    for (int n = 0; n < NT; ++n) {
-      _mm_prefetch(reinterpret_cast<const char*>(cb + n * tile_bytes + kAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(cb + n * tile_bytes + kAhead + 64), _MM_HINT_T0);
-    }
     __m512i isum[NT][R];
     // One half block (kHalves == 2) or the whole block: its exact sums, then its scale applied.
     for (int h = 0; h < kHalves; ++h) {
