@@ -28,7 +28,8 @@ KERNELS = (*LINEARS, "paged_attention", "reshape_and_cache", "rms_norm", "rotary
            "silu_and_mul")  # fmt: skip
 
 overrides = dict(arg.split("=", 1) for arg in sys.argv[1:])
-args = EngineArgs(max_model_len=2048, kv_cache_memory="1GiB", **overrides)
+overrides = {k: int(v) if v.isdigit() else v for k, v in overrides.items()}  # max_model_len=1024
+args = EngineArgs(**{"max_model_len": 2048, "kv_cache_memory": "1GiB", **overrides})
 prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 20000, 128).tolist()}
 
 
