@@ -2,10 +2,11 @@
 measuring speed, memory and start-up at real model sizes without downloading a model.
 
 The file is a llama.cpp-style "llama" GGUF: the vocabulary, tokenizer and chat template are
-copied from the packaged SmolLM2 GGUF (vocab 49152), tie_word_embeddings (no output.weight), the
-token embedding Q8_0, norms F32 (all ones), the projections `--type` (Q4_1, Q4_0 or Q8_0; or
-Q4_K_M, llama.cpp's mixture: Q4_K projections, Q6_K for attn_v and ffn_down in the layers where
-llama.cpp gives them more bits, and a Q6_K tied embedding). The quantized blocks are random codes
+copied from the packaged SmolLM2 GGUF (vocab 49152), tie_word_embeddings (no output.weight;
+`--untied` writes one), the token embedding Q8_0, norms F32 (all ones), the projections `--type`
+(Q4_1, Q4_0 or Q8_0; or Q4_K_M, llama.cpp's mixture: Q4_K projections, Q6_K for attn_v and
+ffn_down in the layers where llama.cpp gives them more bits, and a Q6_K tied embedding, or a Q4_K
+embedding and a Q6_K output.weight when untied). The quantized blocks are random codes
 with a fixed scale (weights of standard deviation ~0.02, centred), written straight as bytes
 tensor by tensor, so memory stays at one tensor even for 8B.
 Both pagedllm and llama.cpp's llama-server load it; its text is gibberish. No rope scaling is
@@ -14,6 +15,7 @@ written (Llama 3's "llama3" rope factors): the speed and memory are the same.
     python -m benchmarks.random_gguf /tmp/llama-1b-q4_1.gguf --shape llama-1b   # ~0.7 GB
     python -m benchmarks.random_gguf /tmp/llama-8b-q4_1.gguf --shape llama-8b   # ~4.6 GB
     python -m benchmarks.random_gguf /tmp/tiny.gguf --shape tiny --type Q8_0 --num-layers 4
+    python -m benchmarks.random_gguf /tmp/llama-1b-untied.gguf --type Q4_K_M --untied
 
 llama-1b writes context_length 131072 as Llama 3.2 does; the engine caps it by --max-model-len.
 """
@@ -63,12 +65,17 @@ def head_dim(shape: dict) -> int:
     return shape["hidden_size"] // shape["num_heads"]
 
 
-def tensor_plan(shape: dict, qtype: Q, vocab_size: int) -> list[tuple[str, Q, tuple[int, ...]]]:
-    """(GGUF name, type, PyTorch shape [out, in] or [n]) of every tensor, in file order."""
+def tensor_plan(
+    shape: dict, qtype: Q, vocab_size: int, untied: bool = False
+) -> list[tuple[str, Q, tuple[int, ...]]]:
+    """(GGUF name, type, PyTorch shape [out, in] or [n]) of every tensor, in file order; untied:
+    with an output.weight of its own (Q8_0, or Q6_K in Q4_K_M with a Q4_K embedding, as
+    llama.cpp writes an 8B Llama's)."""
     h, f, d = shape["hidden_size"], shape["intermediate_size"], head_dim(shape)
     q, kv, n = shape["num_heads"] * d, shape["num_kv_heads"] * d, shape["num_layers"]
     k_mix = qtype == Q.Q4_K  # Q4_K_M
-    plan = [("token_embd.weight", Q.Q6_K if k_mix else Q.Q8_0, (vocab_size, h))]
+    embedding = (Q.Q4_K if untied else Q.Q6_K) if k_mix else Q.Q8_0
+    plan = [("token_embd.weight", embedding, (vocab_size, h))]
     for i in range(n):
         p, more = f"blk.{i}.", Q.Q6_K if k_mix and more_bits(i, n) else qtype
         plan += [
@@ -82,7 +89,10 @@ def tensor_plan(shape: dict, qtype: Q, vocab_size: int) -> list[tuple[str, Q, tu
             (p + "ffn_up.weight", qtype, (f, h)),
             (p + "ffn_down.weight", more, (h, f)),
         ]
-    return plan + [("output_norm.weight", Q.F32, (h,))]
+    plan.append(("output_norm.weight", Q.F32, (h,)))
+    if untied:
+        plan.append(("output.weight", Q.Q6_K if k_mix else Q.Q8_0, (vocab_size, h)))
+    return plan
 
 
 def tensor_nbytes(qtype: Q, shape: tuple[int, ...]) -> int:
@@ -130,7 +140,12 @@ def copy_tokenizer(writer: gguf.GGUFWriter, source: str | Path) -> int:
 
 
 def write_random_gguf(
-    path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: int = 0, **overrides
+    path: str | Path,
+    shape: str = "llama-1b",
+    qtype: str = "Q4_1",
+    seed: int = 0,
+    untied: bool = False,
+    **overrides,
 ) -> dict:
     """Write the file; `overrides` (hidden_size, num_layers, ...) replace the shape's values.
     Returns its path, size in bytes, parameter count and seconds taken."""
@@ -156,7 +171,7 @@ def write_random_gguf(
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab_size = copy_tokenizer(w, resolve_model(None))
     w.add_vocab_size(vocab_size)
-    plan = tensor_plan(dims, proj, vocab_size)
+    plan = tensor_plan(dims, proj, vocab_size, untied)
     n_params = 0
     for name, t, shp in plan:  # the tensor infos first, so data can follow one at a time
         nbytes = tensor_nbytes(t, shp)
@@ -185,8 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--type",
         choices=list(PROJ_TYPES),
         default="Q4_1",
-        help="the projections' quantization (token_embd is always Q8_0)",
+        help="the projections' quantization (token_embd Q8_0, or as Q4_K_M has it)",
     )
+    parser.add_argument("--untied", action="store_true",
+                        help="an output.weight of its own, as Llama 3 8B has")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     for flag in ("hidden-size", "intermediate-size", "num-layers", "num-heads", "num-kv-heads"):
         parser.add_argument(f"--{flag}", type=int, help="overrides the shape's value")
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         k: getattr(args, k)
         for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
     }
-    info = write_random_gguf(args.out, args.shape, args.type, args.seed, **overrides)
+    info = write_random_gguf(args.out, args.shape, args.type, args.seed, args.untied, **overrides)
     print(
         f"wrote {info['path']}: {info['bytes']} bytes ({info['bytes'] / 2**20:.1f} MiB), "
         f"{info['params'] / 1e9:.3f}B parameters, in {info['seconds']:.1f} s"

@@ -52,3 +52,13 @@ def test_overrides_change_the_shape(tmp_path):
     random_gguf.write_random_gguf(path, "tiny", "Q8_0", num_layers=3, hidden_size=512)
     config, _ = load_model_config(str(path))
     assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (3, 512, 128)
+
+
+def test_untied_writes_its_own_output_weight(tmp_path):
+    path = tmp_path / "untied.gguf"
+    random_gguf.main([str(path), "--shape", "tiny", "--type", "Q4_K_M", "--untied"])
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["output.weight"] == gguf.GGMLQuantizationType.Q6_K
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q4_K
+    config, _ = load_model_config(str(path))
+    assert not config.tie_word_embeddings

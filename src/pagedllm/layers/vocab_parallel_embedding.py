@@ -16,6 +16,7 @@ from pagedllm.layers.quantization import (
     DualLinearMethod,
     Int8ActLinearMethod,
     QuantizationConfig,
+    QuantWeight,
     UnquantizedLinearMethod,
 )
 from pagedllm.layers.quantization.int8_act import TILE
@@ -34,7 +35,15 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = tp_group().size
         self.dtype = dtype
         self.head_codes: tuple[torch.Tensor, ...] | None = None  # see gather_from
+        self.codes: QuantWeight | None = None  # see take_codes
         self.takes_codes = False  # models/utils.load_weights: hand this the checkpoint's codes
+
+    def take_codes(self) -> None:
+        """An untied embedding holds the checkpoint's codes where it has them (a GGUF's Q4_K,
+        Q6_K, ... blocks; one rank) instead of their float copy, and each lookup dequantizes
+        the rows it needs: the same numbers, a quarter to an eighth of float32's bytes (an 8B
+        Llama's 128k x 4096 embedding: 2 GiB in float32)."""
+        self.takes_codes = self.tp_size == 1
 
     def gather_from(self, head: ParallelLMHead) -> None:
         """Look rows up in a tied head's int8 codes (layers/quantization/int8_act.py's layout,
@@ -52,6 +61,11 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.takes_codes = True
 
+    @property
+    def nbytes(self) -> int:
+        """The codes' bytes (take_codes), which are neither parameters nor buffers."""
+        return 0 if self.codes is None else self.codes.nbytes
+
     def _rows_from_codes(self, input_ids: torch.Tensor) -> torch.Tensor:
         codes, scales, mins = self.head_codes
         tile, lane = input_ids // TILE, input_ids % TILE
@@ -62,8 +76,13 @@ class VocabParallelEmbedding(nn.Module):
             rows = rows.reshape(len(input_ids), -1, 32) + mins[tile, :, lane].float()[..., None]
         return rows.reshape(-1, self.hidden_size).to(self.dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         check_shape(loaded, (self.vocab_size, self.hidden_size))
+        if not isinstance(loaded, torch.Tensor):  # codes (take_codes): kept as they are
+            self.codes = loaded
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+            return
         part = _rows(loaded, self.vocab_start, self.num_embeddings)
         param.data[: part.shape[0]].copy_(part)
         param.data[part.shape[0] :].zero_()  # padding rows
@@ -71,6 +90,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.head_codes is not None:
             return self._rows_from_codes(input_ids)
+        if self.codes is not None:
+            return self.codes.rows(input_ids).dequantize().to(self.dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start

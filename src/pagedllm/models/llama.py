@@ -208,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if tied:
             self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.model.embed_tokens.take_codes()
 
     @property
     def dtype(self) -> torch.dtype:

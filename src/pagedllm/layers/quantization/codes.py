@@ -51,6 +51,14 @@ class _Codes:
             columns[f.name] = t.narrow(1, start * t.shape[1] // k, length * t.shape[1] // k)
         return replace(self, **columns)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+    def rows(self, index: torch.Tensor):
+        """The rows at `index` (an embedding's lookups), as codes."""
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
 
 @dataclass
 class Int4Weight(_Codes):
