@@ -50,6 +50,14 @@ def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
     return out.reshape(qs.shape[0], -1)
 
 
+def _five_bit(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0 / Q5_1 codes, uint8 in 0..31 [blocks, 32]: 4 bytes of fifth bits at `at` (bit j:
+    element j), then 16 bytes of nibbles."""
+    qh = blocks[:, at : at + 4].copy().view(np.uint32).reshape(-1, 1)
+    fifth = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return _nibbles(blocks[:, at + 4 :], 16) | fifth
+
+
 def _q4_k_packed(qs: np.ndarray) -> np.ndarray:
     """Q4_K's 128 bytes of codes a super-block -> pack_int4's order, byte for byte: each 32-byte
     run holds a 32-code block in its low nibbles and the next in its high nibbles, and a packed
@@ -89,9 +97,8 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
     if ggml_type == _T.Q8_0:
         q = blocks[:, 2:].view(np.int8)
         return Int8Weight(q=tensor(q, np.int8, k), scale=tensor(_f16(blocks, 0)))
-    if ggml_type == _T.Q5_0:  # d, 4 bytes of fifth bits (bit j: element j), 16 bytes of nibbles
-        qh = blocks[:, 2:6].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
-        q = (_nibbles(blocks[:, 6:], 16) | ((qh & 1).astype(np.uint8) << 4)).astype(np.int8) - 16
+    if ggml_type == _T.Q5_0:  # d, then the 5-bit codes
+        q = _five_bit(blocks, 2).astype(np.int8) - 16
         return Int8Weight(q=tensor(q, np.int8, k), scale=tensor(_f16(blocks, 0)))
     if _KINDS[ggml_type] is Int8xWeight:
         q, scale, mn = _int8x(blocks, ggml_type)
@@ -116,10 +123,8 @@ def _int8x(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.nd
     """Q6_K / Q5_K / Q5_1 blocks -> codes [blocks, block size], scales (one per 16 codes) and mins
     (one per 32), float32, each in the codes' order (gguf.quants' dequantize_blocks read alike)."""
     n = blocks.shape[0]
-    if ggml_type == _T.Q5_1:  # d, m, 4 bytes of fifth bits (bit j: element j), 16 bytes of nibbles
-        qh = blocks[:, 4:8].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
-        q = _nibbles(blocks[:, 8:], 16) | ((qh & 1).astype(np.uint8) << 4)
-        return q, np.repeat(_f16(blocks, 0), 2), _f16(blocks, 2)
+    if ggml_type == _T.Q5_1:  # d, m, then the 5-bit codes
+        return _five_bit(blocks, 4), np.repeat(_f16(blocks, 0), 2), _f16(blocks, 2)
     if ggml_type == _T.Q5_K:  # d, dmin, 12 bytes of 6-bit (sc, m), 32 of fifth bits, 128 of nibbles
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
