@@ -1,6 +1,6 @@
 """A Q4_K_M file (llama.cpp's most common mixture) on the default integer path: its Q6_K tensors
 (a tied embedding, some attn_v and ffn_down) and the qkv products that mix Q4_K with Q6_K are
-int8x codes multiplied in integers, no layer stays float, and the prompt's log-probabilities
+int6 codes multiplied in integers, no layer stays float, and the prompt's log-probabilities
 agree with the exact float32 path (`--dtype float32`: gguf's own dequantized weights) within
 8-bit activations' rounding."""
 
@@ -42,9 +42,10 @@ def test_a_q4_k_m_file_runs_every_layer_in_integers_close_to_float32(tmp_path):
                 assert all(isinstance(m, Int8ActLinearMethod) for m in methods.values()), methods
                 kinds = {name: m.kind for name, m in methods.items()}
                 assert kinds["model.layers.0.self_attn.qkv_proj"] == "int4"
-                assert kinds["model.layers.1.self_attn.qkv_proj"] == "int8x"  # Q4_K q, k; Q6_K v
-                assert kinds["model.layers.1.mlp.down_proj"] == "int8x"
-                assert kinds["lm_head"] == "int8x"  # the tied Q6_K embedding
+                assert kinds["model.layers.1.self_attn.qkv_proj"] == "int6"  # Q4_K q, k; Q6_K v
+                assert kinds["model.layers.1.mlp.down_proj"] == "int6"
+                assert kinds["lm_head"] == "int6"  # the tied Q6_K embedding
+                assert not hasattr(model.lm_head, "int8_act_mins")  # Q6_K's: all 0
                 assert model.model.embed_tokens.takes_codes  # looked up in the head's codes
             got[dtype] = prompt_logprobs(llm)
         finally:

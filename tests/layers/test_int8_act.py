@@ -1,5 +1,5 @@
 """The integer kernels (kernels/csrc/int8_act*.cpp): 8-bit activations per row and block of 32
-against a GGUF's int4 / int8 / int8x codes. Every variant this CPU has equals the plain C++
+against a GGUF's int4 / int6 / int8 / int8x codes. Every variant this CPU has equals the plain C++
 reference bit for bit at every row count; the integer sums are exact (checked where every float
 step is exact too); the float result is within rounding of float64 arithmetic on the same
 quantized numbers; a row quantizes, and multiplies, the same in a batch of any size."""
@@ -21,23 +21,35 @@ from pagedllm.layers.quantization import (
 from pagedllm.layers.quantization.int8_act import KINDS, Int8ActLinearMethod
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
-KIND_OF = {cls: kind for kind, cls in KINDS.items()}
+# int6 with mins (Q5_K's) and without (Q6_K's, which the layer then does not keep)
+KINDS_TESTED = ["int4", "int6", "int6-no-mins", "int8", "int8x"]
 
 
 def random_codes(kind: str, n: int, k: int, generator=None):
-    """Codes of `kind` for a random [n, k] weight; int8x with its own scale per half block and a
-    min per block (as Q6_K / Q5_K give), all float16 numbers as the layer keeps them."""
+    """Codes of `kind` for a random [n, k] weight; int8x and int6 with their own scale per half
+    block and a min per block (as Q5_K gives; int6-no-mins: zero mins, as Q6_K), every float16
+    number as the layer keeps it."""
     w = torch.randn(n, k, generator=generator)
-    if kind != "int8x":
+    if kind in ("int4", "int8"):
         codes = KINDS[kind].from_float(w)
         codes.scale = codes.scale.half().float()
         if kind == "int4":
             codes.min = codes.min.half().float()
         return codes
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    low, high = (-127, 128) if kind == "int8x" else (-32, 32)
+    q = torch.randint(low, high, (n, k), dtype=torch.int8, generator=generator)
     scale = (torch.rand(n, k // 16, generator=generator) * 0.02).half().float()
     mn = (torch.randn(n, k // 32, generator=generator) * 0.1).half().float()
-    return Int8xWeight(q, scale, mn)
+    return Int8xWeight(q, scale, mn * (kind != "int6-no-mins"))
+
+
+def kind_of(codes, kind: str = "") -> str:
+    """The layer kind for `codes` (int6 for Int8xWeight codes that fit it)."""
+    if kind:
+        return kind.removesuffix("-no-mins")
+    if isinstance(codes, Int8xWeight):
+        return "int6" if codes.q.min() >= -32 and codes.q.max() <= 31 else "int8x"
+    return {Int4Weight: "int4", Int8Weight: "int8"}[type(codes)]
 
 
 def ops():
@@ -48,10 +60,10 @@ def variants() -> list[str]:
     return list(ops().int8_act_variants()) if kernels.available() else []
 
 
-def layer_of(codes, bias=None):
+def layer_of(codes, bias=None, kind: str = ""):
     """A layer holding `codes` as the engine loads them (layers/quantization/int8_act.py)."""
     n, k = codes.shape
-    config = QuantizationConfig("int8_act", code_kinds={"w": KIND_OF[type(codes)]})
+    config = QuantizationConfig("int8_act", code_kinds={"w": kind_of(codes, kind)})
     layer = ColumnParallelLinear(k, n, bias is not None, torch.float32, config, prefix="w")
     assert isinstance(layer.quant_method, Int8ActLinearMethod)
     layer.weight_loader(layer.weight, codes)
@@ -61,8 +73,8 @@ def layer_of(codes, bias=None):
     return layer
 
 
-def product(x, codes, variant=""):
-    layer = layer_of(codes)
+def product(x, codes, variant="", kind=""):
+    layer = layer_of(codes, kind=kind)
     return ops().int8_act_linear(x, *layer.quant_method.codes(layer), layer.quant_method.bits,
                                  codes.shape[0], variant)  # fmt: skip
 
@@ -105,7 +117,7 @@ def test_activation_quantization_is_q8_0s_rule_and_independent_of_the_batch():
         assert torch.equal(sb[at], s[100]) and torch.equal(hb[at], s16[100])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_TESTED)
 def test_integer_sums_are_exact(kind):
     """Integer x with a 127 in every block quantizes to itself (d = 1); unit scales and zero mins
     leave y = the integer product, every partial sum exact in float32."""
@@ -116,6 +128,10 @@ def test_integer_sums_are_exact(kind):
     if kind == "int4":
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         codes = Int4Weight(pack_int4(q), torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    elif kind.startswith("int6"):  # every code, -32 and 31 included
+        q = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+        q[0, :64], q[1, :64] = torch.arange(-32, 32), torch.arange(31, -33, -1)
+        codes = Int8xWeight(q, torch.ones(n, k // 16), torch.zeros(n, k // 32))
     else:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         codes = Int8Weight(q, torch.ones(n, k // 32))
@@ -123,10 +139,10 @@ def test_integer_sums_are_exact(kind):
             codes = Int8xWeight.of(codes)
     want = x.long() @ q.long().T
     for variant in variants():
-        assert torch.equal(product(x, codes, variant), want.float()), variant
+        assert torch.equal(product(x, codes, variant, kind), want.float()), variant
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_TESTED)
 def test_every_variant_equals_the_reference_at_every_row_count(kind):
     torch.manual_seed(2)
     n, k = 37, 96  # a partial last tile of 16 rows
@@ -139,7 +155,22 @@ def test_every_variant_equals_the_reference_at_every_row_count(kind):
             assert torch.equal(got, want[:rows]), (variant, rows)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_TESTED)
+def test_many_rows_cross_panels_and_spans_as_the_reference(kind):
+    """From 32 rows the kernels block the product (int8_act.h: panels of 32 tiles, spans of 8
+    blocks; int6 unpacks each panel's span once): 38 tiles and 10 blocks cross both."""
+    torch.manual_seed(8)
+    n, k = 600, 320
+    codes = random_codes(kind, n, k)
+    x = torch.randn(100, k) * 3
+    want = product(x, codes, "reference", kind)
+    for variant in variants():
+        for rows in (31, 32, 33, 100):
+            got = product(x[:rows], codes, variant, kind)
+            assert torch.equal(got, want[:rows]), (variant, rows)
+
+
+@pytest.mark.parametrize("kind", KINDS_TESTED)
 @pytest.mark.parametrize("seed", range(4))
 def test_random_shapes_against_the_reference_and_float64(kind, seed):
     g = torch.Generator().manual_seed(seed)
@@ -163,7 +194,7 @@ def test_random_shapes_against_the_reference_and_float64(kind, seed):
     assert err < 0.03
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_TESTED)
 def test_bfloat16_x_is_quantized_from_its_exact_value(kind):
     torch.manual_seed(3)
     codes = random_codes(kind, 64, 64)
@@ -173,7 +204,7 @@ def test_bfloat16_x_is_quantized_from_its_exact_value(kind):
     assert torch.equal(got, product(x.float(), codes).bfloat16())
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_TESTED)
 def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind):
     """Slices written as they arrive (q, k, v parts at their rows; 50 rows: a partial tile)."""
     torch.manual_seed(4)
@@ -181,15 +212,16 @@ def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind):
     codes = random_codes(kind, n, k)
     bias = torch.randn(n)
     whole = layer_of(codes, bias)
-    config = QuantizationConfig("int8_act", code_kinds={"w": kind})
+    config = QuantizationConfig("int8_act", code_kinds={"w": kind_of(codes, kind)})
     layer = ColumnParallelLinear(k, n, True, torch.float32, config, prefix="w")
     for start, size in ((0, 13), (13, 20), (33, 17)):
         layer.quant_method.load_weight(layer, codes.narrow(0, start, size), start)
     layer.weight_loader(layer.bias, bias)
     layer.quant_method.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight") and not hasattr(layer, "weight_scale")
-    padded, bits = 64, 4 if kind == "int4" else 8  # 50 rows in tiles of 16
-    per_block = {"int4": 2, "int8": 1, "int8x": 3}[kind]  # float16 scales (and mins) per block
+    padded, bits = 64, {"int4": 4, "int8": 8, "int8x": 8}.get(kind, 6)  # 50 rows in tiles of 16
+    # float16 scales (and mins) per block; Q6_K's zero mins are not kept
+    per_block = {"int4": 2, "int6": 3, "int6-no-mins": 2, "int8": 1, "int8x": 3}[kind]
     want = padded * k * bits // 8 + padded * k // 32 * 2 * per_block
     assert layer.quant_method.nbytes(layer) == want
     for a, b in zip(layer.quant_method.codes(layer), whole.quant_method.codes(whole), strict=True):
@@ -202,9 +234,9 @@ def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind):
     assert torch.equal(layer(x), whole(x))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int8x"])
+@pytest.mark.parametrize("kind", ["int8", "int6", "int6-no-mins"])
 def test_a_tied_heads_codes_serve_the_embeddings_lookups(kind):
-    """Tied to an integer head with int8 (or int8x: a Q6_K embedding) codes, the embedding keeps
+    """Tied to an integer head with int8 (or int6: a Q6_K embedding) codes, the embedding keeps
     no float copy: its rows are gathered from the head's codes, the float rows bit for bit, and
     the checkpoint tensor it is handed is only checked, never dequantized."""
     from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -213,7 +245,7 @@ def test_a_tied_heads_codes_serve_the_embeddings_lookups(kind):
     vocab, hidden = 70, 64
     codes = random_codes(kind, vocab, hidden)
     embedding = VocabParallelEmbedding(vocab, hidden)
-    config = QuantizationConfig("int8_act", code_kinds={"lm_head": kind})
+    config = QuantizationConfig("int8_act", code_kinds={"lm_head": kind_of(codes, kind)})
     head = ParallelLMHead(vocab, hidden, torch.float32, config, tied=True)
     assert head.codes_hold_the_embedding()
     head.tie_weights(embedding)
@@ -227,21 +259,23 @@ def test_a_tied_heads_codes_serve_the_embeddings_lookups(kind):
     assert torch.equal(embedding(ids), codes.dequantize()[ids])
 
 
-def test_a_layer_whose_parts_mix_kinds_takes_them_all_as_int8x():
-    """A fused qkv whose q is int4 (Q4_K), k int8 (Q8_0) and v int8x (Q6_K), as Q4_K_M files mix
-    them: every part's weights exactly, multiplied in one call."""
+@pytest.mark.parametrize(("k_kind", "want_kind"), [("int4", "int6"), ("int8", "int8x")])
+def test_a_layer_whose_parts_mix_kinds_takes_them_all_as_one(k_kind, want_kind):
+    """A fused qkv whose q is int4 (Q4_K), k int4 or int8 (Q8_0) and v Q6_K's codes, as Q4_K_M
+    files mix them: int6 where every part fits 6 bits, int8x with int8's; every part's weights
+    exactly, multiplied in one call."""
     from pagedllm.layers.linear import QKVParallelLinear
     from pagedllm.layers.quantization import code_layer_kinds
 
     torch.manual_seed(6)
     hidden, head_dim = 64, 16
-    parts = {"q": random_codes("int4", 64, hidden), "k": random_codes("int8", 32, hidden),
-             "v": random_codes("int8x", 32, hidden)}  # fmt: skip
+    parts = {"q": random_codes("int4", 64, hidden), "k": random_codes(k_kind, 32, hidden),
+             "v": random_codes("int6-no-mins", 32, hidden)}  # fmt: skip
     names = {f"model.layers.0.self_attn.{p}_proj.weight": type(c) for p, c in parts.items()}
     mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     kinds = code_layer_kinds(names, mapping, tie_word_embeddings=False)
-    assert kinds == {"model.layers.0.self_attn.qkv_proj": "int8x"}
-    config = QuantizationConfig("int8_act", code_kinds={"qkv": "int8x"})
+    assert kinds == {"model.layers.0.self_attn.qkv_proj": want_kind}
+    config = QuantizationConfig("int8_act", code_kinds={"qkv": want_kind})
     layer = QKVParallelLinear(hidden, head_dim, 4, 2, False, torch.float32, config, prefix="qkv")
     for shard, codes in enumerate(parts.values()):
         layer.weight_loader(layer.weight, codes, shard)
@@ -252,3 +286,18 @@ def test_a_layer_whose_parts_mix_kinds_takes_them_all_as_int8x():
     q, d, _ = quantize_like_q8(x)
     xd = (q.double().reshape(5, 2, 32) * d.double()[..., None]).reshape(5, hidden)
     torch.testing.assert_close(layer(x).double(), xd @ weight.double().T, rtol=1e-5, atol=1e-4)
+
+
+def test_int6s_layout_holds_every_code_and_refuses_wider_ones():
+    from pagedllm.layers.quantization.int8_act import _int6_bytes, int6_codes
+
+    q = torch.randint(-32, 32, (20, 96), dtype=torch.int8)
+    q[0, :64] = torch.arange(-32, 32)
+    chunks = _int6_bytes(q)
+    assert chunks.shape == (20, 3, 6, 4) and chunks.dtype == torch.uint8
+    assert torch.equal(int6_codes(chunks).reshape(20, 96), q.to(torch.int16))
+    # chunk 0 holds codes 0-3 (low nibbles) and 16-19 (high) of each block in int4's layout
+    u = (q + 32).to(torch.uint8)
+    assert torch.equal(chunks[:, 0, 0], (u[:, :4] & 15) | (u[:, 16:20] & 15) << 4)
+    with pytest.raises(ValueError, match="-32..31"):
+        _int6_bytes(torch.full((1, 32), 32, dtype=torch.int8))

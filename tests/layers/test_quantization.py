@@ -239,11 +239,12 @@ def test_gguf_q4_k_blocks_up_to_float16_scales():
     _check(layer(x), _reference(x, dequantized(layer), None), torch.float32)
 
 
+@pytest.mark.parametrize("kind", ["int6", "int8x"])
 @pytest.mark.parametrize("qtype", [_Q.Q6_K, _Q.Q5_K, _Q.Q5_1])
-def test_gguf_int8x_blocks_are_taken_exactly(qtype):
+def test_gguf_int8x_blocks_are_taken_exactly(qtype, kind):
     """Random blocks with sane float16 d (and dmin / m): the int8x codes give gguf's weights bit
-    for bit; the integer layer keeps the scales in float16 (2^-11 relative at most) and its
-    product is the float64 one of the same numbers, within float32 rounding."""
+    for bit; the integer layer (in 6 bits, or 8) keeps the scales in float16 (2^-11 relative at
+    most) and its product is the float64 one of the same numbers, within float32 rounding."""
     rng = np.random.default_rng(2)
     n, k = 48, 512
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -256,9 +257,11 @@ def test_gguf_int8x_blocks_are_taken_exactly(qtype):
     codes = codes_from_gguf(raw, qtype)
     assert isinstance(codes, Int8xWeight) and codes.q.shape == (n, k)
     assert torch.equal(codes.dequantize(), ref)
-    config = QuantizationConfig("int8_act", code_kinds={"w": "int8x"})
+    config = QuantizationConfig("int8_act", code_kinds={"w": kind})
     layer = ColumnParallelLinear(k, n, False, torch.float32, config, prefix="w")
     layer.weight_loader(layer.weight, codes)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert hasattr(layer, "int8_act_mins") == (qtype != _Q.Q6_K)  # Q6_K's are all 0
     kept = Int8xWeight(codes.q, codes.scale.half().float(), codes.min.half().float())
     bound = (32 * codes.scale.abs().repeat_interleave(16, dim=1)
              + codes.min.abs().repeat_interleave(32, dim=1)) * 2.0**-11 + 1e-7  # fmt: skip
@@ -358,13 +361,16 @@ def test_layers_with_codes_need_every_part_in_the_methods_kind():
         "model.embed_tokens"  # an embedding takes no codes: harmless
     }
     assert layers_with_codes(kinds, mapping, "none", tie_word_embeddings=True) == set()
-    # The integer path takes a layer whose parts mix kinds, and Q6_K / Q5_K codes, as int8x;
-    # the other methods do not.
+    # The integer path takes Q6_K / Q5_K codes as int6, with int4's beside them too, and a layer
+    # that mixes int8's with others as int8x; the other methods do not.
     kinds["model.layers.3.mlp.down_proj.weight"] = Int8xWeight
+    kinds["model.layers.3.mlp.gate_proj.weight"] = q4
+    kinds["model.layers.3.mlp.up_proj.weight"] = Int8xWeight
     found = code_layer_kinds(kinds, mapping, tie_word_embeddings=True)
     assert found["model.layers.1.mlp.gate_up_proj"] == "int8x"
-    assert found["model.layers.3.mlp.down_proj"] == "int8x"
+    assert found["model.layers.3.mlp.down_proj"] == "int6"
+    assert found["model.layers.3.mlp.gate_up_proj"] == "int6"
     assert found["model.layers.0.mlp.down_proj"] == "int4" and found["lm_head"] == "int8"
     kinds["model.embed_tokens.weight"] = Int8xWeight  # a Q6_K embedding, tied
-    assert code_layer_kinds(kinds, mapping, tie_word_embeddings=True)["lm_head"] == "int8x"
+    assert code_layer_kinds(kinds, mapping, tie_word_embeddings=True)["lm_head"] == "int6"
     assert "lm_head" not in layers_with_codes(kinds, mapping, "int8", tie_word_embeddings=True)

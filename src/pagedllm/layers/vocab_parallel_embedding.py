@@ -6,6 +6,8 @@ nn.Embedding exactly and the head a plain linear layer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ from pagedllm.layers.quantization import (
     QuantWeight,
     UnquantizedLinearMethod,
 )
-from pagedllm.layers.quantization.int8_act import TILE
+from pagedllm.layers.quantization.int8_act import TILE, int6_codes
 from pagedllm.layers.weight_utils import check_shape, narrow
 
 
@@ -34,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.tp_size = tp_group().size
         self.dtype = dtype
-        self.head_codes: tuple[torch.Tensor, ...] | None = None  # see gather_from
+        self.head_codes: Callable[[], tuple] | None = None  # see gather_from
         self.codes: QuantWeight | None = None  # see take_codes
         self.takes_codes = False  # models/utils.load_weights: hand this the checkpoint's codes
 
@@ -46,15 +48,12 @@ class VocabParallelEmbedding(nn.Module):
         self.takes_codes = self.tp_size == 1
 
     def gather_from(self, head: ParallelLMHead) -> None:
-        """Look rows up in a tied head's int8 codes (layers/quantization/int8_act.py's layout,
-        filled as the head loads) instead of a float copy: the same numbers (q * scale is exact
-        in float32), no bytes of its own, and the checkpoint's tensor is never dequantized. One
-        rank (the head's rows are then the whole vocabulary). `weight` becomes an empty
-        placeholder whose loader only checks the checkpoint's shape."""
-        # int8: no mins; int8x: mins, and two scales a block
-        codes, scales, mins = head.quant_method.codes(head)
-        tiles, blocks = codes.shape[:2]
-        self.head_codes = (codes.view(tiles, blocks, 8, TILE, 4), scales, mins)
+        """Look rows up in a tied head's int8 or int6 codes (layers/quantization/int8_act.py's
+        layout, filled as the head loads) instead of a float copy: the same numbers (q * scale
+        is exact in float32), no bytes of its own, and the checkpoint's tensor is never
+        dequantized. One rank (the head's rows are then the whole vocabulary). `weight` becomes
+        an empty placeholder whose loader only checks the checkpoint's shape."""
+        self.head_codes = lambda: head.quant_method.codes(head)  # as they are after loading
         self.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
         self.weight.weight_loader = lambda _, loaded, shard_id=None: check_shape(
             loaded, (self.vocab_size, self.hidden_size)
@@ -67,12 +66,13 @@ class VocabParallelEmbedding(nn.Module):
         return 0 if self.codes is None else self.codes.nbytes
 
     def _rows_from_codes(self, input_ids: torch.Tensor) -> torch.Tensor:
-        codes, scales, mins = self.head_codes
+        codes, scales, mins = self.head_codes()  # int8: no mins; int6: two scales a block
         tile, lane = input_ids // TILE, input_ids % TILE
-        q = codes[tile, :, :, lane, :].to(torch.int16) - 128  # [T, blocks, 8 chunks, 4]
-        scale = scales[tile, :, lane].float()  # [T, blocks] (int8x: [T, 2 blocks], halves)
+        chunks = codes[tile, :, :, lane, :]  # [T, blocks, chunks, 4]
+        q = int6_codes(chunks) if chunks.shape[2] == 6 else chunks.to(torch.int16) - 128
+        scale = scales[tile, :, lane].float()  # [T, blocks] (int6: [T, 2 blocks], halves)
         rows = q.reshape(*scale.shape, -1).float() * scale[..., None]
-        if mins is not None:  # int8x: q * scale + min, as Int8xWeight.dequantize
+        if mins is not None:  # int6: q * scale + min, as Int8xWeight.dequantize
             rows = rows.reshape(len(input_ids), -1, 32) + mins[tile, :, lane].float()[..., None]
         return rows.reshape(-1, self.hidden_size).to(self.dtype)
 
@@ -130,7 +130,7 @@ class ParallelLMHead(LinearBase):
         return (
             self.tied
             and isinstance(method, Int8ActLinearMethod)
-            and method.bits == 8
+            and method.bits in (6, 8)
             and tp_group().size == 1
         )
 

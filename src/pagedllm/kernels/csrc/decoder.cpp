@@ -96,7 +96,7 @@ struct Linear {
       case kInt8: return with_bias(int8_linear(x, weights[0], weights[1]));
       case kInt8Act: {
         const std::optional<at::Tensor> mins = weights.size() > 2 ? std::optional(weights[2]) : std::nullopt;
-        // codes [tiles, blocks, chunks, 16, 4]: 4 chunks a block for int4, 8 for int8 / int8x
+        // codes [tiles, blocks, chunks, 16, 4]: chunks = bits (4 int4, 6 int6, 8 int8 / int8x)
         return with_bias(int8_act_linear(x, weights[0], weights[1], mins, weights[0].size(2), rows, ""));
       }
     }

@@ -15,9 +15,15 @@
 //   int8 (w = q * scale, q in -127..127): codes [tiles][blocks][8 chunks][16 rows][4 bytes],
 //        each byte q + 128 (unsigned, for vpdpbusd; the 128 * sum(x) it adds is taken back).
 //   int8x (w = q * scale_h + min: int8's codes with a scale per half block of 16 columns and a
-//        min per block; GGUF's Q6_K, Q5_K and Q5_1, and layers whose parts mix kinds).
-//   scales: float16 [tiles][blocks][halves][16 rows] (halves: 2 for int8x, else 1);
-//   mins (int4 and int8x): float16 [tiles][blocks][16 rows].
+//        min per block; layers whose parts mix int8 codes with int6's).
+//   int6 (w = q * scale_h + min, q in -32..31: int8x's numbers in 6 bits; GGUF's Q6_K, Q5_K and
+//        Q5_1, and layers that mix them with int4's): codes [tiles][blocks][6 chunks][16 rows]
+//        [4 bytes], each code stored as u = q + 32 in 0..63: chunks 0-3 hold the low 4 bits of
+//        u in int4's layout; chunk 4 + p holds the high 2 bits of the codes of chunks 2p and 2p
+//        + 1, byte i of a row packing, from bit 0, the pairs of codes 8p + i, 16 + 8p + i,
+//        8p + 4 + i and 16 + 8p + 4 + i (the low and high nibbles of chunk 2p, then of 2p + 1).
+//   scales: float16 [tiles][blocks][halves][16 rows] (halves: 2 for int8x and int6, else 1);
+//   mins (int4; int8x and int6 unless every min is 0): float16 [tiles][blocks][16 rows].
 //
 // Every output takes one fixed sequence of float operations whatever the variant, the row count
 // or the tile's place: per block in order, for each half h (one for int4 and int8) its exact
@@ -51,9 +57,9 @@ struct Activations {
 struct Weights {
   const uint8_t* codes;
   const uint16_t* scales;  // float16 bits
-  const uint16_t* mins;    // float16 bits; int4 and int8x, else null
-  int bits;                // 4 or 8
-  int halves;              // scales per block: 2 for int8x, else 1
+  const uint16_t* mins;    // float16 bits, or null (int8; int8x and int6 whose mins are all 0)
+  int bits;                // 4, 6 or 8
+  int halves;              // scales per block: 2 for int8x and int6, else 1
   int64_t K, N;            // N: real output rows (the last tile may be partly padding)
   int64_t blocks() const { return K / kBlock; }
   int64_t tile_bytes() const { return blocks() * kBlock * kTile * bits / 8; }
@@ -90,10 +96,13 @@ struct Span {
 // once, whole. Many rows (prefill) block the product like a GEMM, so that what is reread comes
 // from cache: panels of kPanelTiles tiles, their columns kSpanBlocks blocks at a time (the
 // panel's codes for those columns stay in L2), against kRowChunk rows of activations (their
-// codes for those columns stay in L1).
+// codes for those columns stay in L1). Blocked, rows_tiles.panel(p0, p1, span) is called before
+// each panel's span of columns (a variant may unpack those codes once there for all the rows).
+constexpr int64_t kSpanBlocks = 8, kPanelTiles = 32, kBlockedFromRows = 32;
+
 template <int kMaxRows, int kMaxTiles, typename RowsTiles>
 inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, RowsTiles&& rows_tiles) {
-  constexpr int64_t kRowChunk = 64, kSpanBlocks = 8, kPanelTiles = 32, kBlockedFromRows = 32;
+  constexpr int64_t kRowChunk = 64;
   const int64_t blocks = w.blocks();
   const bool blocked = M >= kBlockedFromRows;
   const int64_t span = blocked ? kSpanBlocks : blocks, panel = blocked ? kPanelTiles : t1 - t0;
@@ -101,6 +110,7 @@ inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, Rows
     const int64_t p1 = std::min(t1, p0 + panel);
     for (int64_t b0 = 0; b0 < blocks; b0 += span) {
       const Span s{b0, std::min(blocks, b0 + span), b0 == 0};
+      if (blocked) rows_tiles.panel(p0, p1, s);
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
         const int64_t end = std::min(M, m0 + kRowChunk);
         int64_t t = p0;

@@ -21,7 +21,20 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// kHalves: scales per block (2: int8x); kMins: int4 and int8x.
+// int6's codes u = q + 32 for half g of a block in chunk j's layout, for 8 of the tile's rows
+// (h): the nibble and its pair of high bits moved to bits 4-5 (int8_act_avx512_vnni.cpp).
+inline __m256i int6_codes(const uint8_t* cb, int g, int j, int h) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * 64 + h * 32));
+  const __m256i nib = g == 0 ? _mm256_and_si256(v, nibble) : _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + j / 2 * 64 + h * 32));
+  const int at = 4 * (j % 2) + 2 * g;
+  if (at < 4) pairs = _mm256_sll_epi16(pairs, _mm_cvtsi32_si128(4 - at));
+  if (at > 4) pairs = _mm256_srli_epi16(pairs, 2);
+  return _mm256_or_si256(nib, _mm256_and_si256(pairs, _mm256_set1_epi8(0x30)));
+}
+
+// kHalves: scales per block (2: int8x, int6); kMins: int4, and int8x or int6 with a min not 0.
 template <int R, int kBits, int kHalves, bool kMins>
 inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
                       int64_t ldy) {
@@ -63,6 +76,20 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
               isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
             }
           }
+        } else if constexpr (kBits == 6) {
+#pragma GCC unroll 2
+          for (int j = 0; j < 4; j += 2) {
+            const __m256i c0 = int6_codes(cb, g, j, h), c1 = int6_codes(cb, g, j + 1, h);
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xb = x.q + (m + r) * K + b * kBlock + 16 * g;
+              // Each pair is at most 2 * 63 * 127: two chunks' pairs add in 16 bits.
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(xb + 4 * j)),
+                                                 _mm256_maddubs_epi16(c1, broadcast4(xb + 4 * j + 4)));
+              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+            }
+          }
+          for (int r = 0; r < R; ++r)  // the codes carry +32: take back 32 * sum(x)
+            isum[r][h] = _mm256_sub_epi32(isum[r][h], _mm256_set1_epi32(32 * x.sum16[(m + r) * 2 * blocks + 2 * b + g]));
         } else {
           constexpr int kChunks = 8 / kHalves;
 #pragma GCC unroll 8
@@ -116,6 +143,7 @@ struct RowsTile {
   const Weights& w;
   float* y;
   int64_t ldy;
+  void panel(int64_t, int64_t, Span) const {}
   template <int R, int NT>
   void operator()(int64_t m, int64_t t, Span span) const {
     static_assert(NT == 1, "one tile at a time (16 registers)");
@@ -134,8 +162,10 @@ void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, i
                 int64_t ldy) {
   if (w.bits == 4)
     tiles<4, 1, true>(x, M, w, t0, t1, y, ldy);
+  else if (w.bits == 6)
+    w.mins ? tiles<6, 2, true>(x, M, w, t0, t1, y, ldy) : tiles<6, 2, false>(x, M, w, t0, t1, y, ldy);
   else if (w.halves == 2)
-    tiles<8, 2, true>(x, M, w, t0, t1, y, ldy);
+    w.mins ? tiles<8, 2, true>(x, M, w, t0, t1, y, ldy) : tiles<8, 2, false>(x, M, w, t0, t1, y, ldy);
   else
     tiles<8, 1, false>(x, M, w, t0, t1, y, ldy);
 }

@@ -64,6 +64,17 @@ void tiles_reference(const Activations& x, int64_t M, const Weights& w, int64_t 
                 isum[0] += (byte & 15) * xb[4 * j + i] + (byte >> 4) * xb[16 + 4 * j + i];
               }
             }
+          } else if (w.bits == 6) {  // u = q + 32: low nibble in chunk j, high pair in chunk 4 + j / 2
+            const uint8_t* codes = tile + b * 384;
+            for (int j = 0; j < 4; ++j) {
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t nib = codes[j * 64 + lane * 4 + i];
+                const uint8_t pairs = codes[256 + j / 2 * 64 + lane * 4 + i] >> (4 * (j % 2));
+                const int32_t lo = (nib & 15) | (pairs & 3) << 4, hi = (nib >> 4) | (pairs >> 2 & 3) << 4;
+                isum[0] += (lo - 32) * xb[4 * j + i];
+                isum[1] += (hi - 32) * xb[16 + 4 * j + i];
+              }
+            }
           } else {
             const uint8_t* codes = tile + b * 512;
             for (int j = 0; j < 8; ++j)
@@ -148,18 +159,18 @@ at::Tensor int8_act_linear(const at::Tensor& x, const at::Tensor& codes, const a
                            const std::string& variant) {
   using namespace int8_act;
   TORCH_CHECK(x.dim() == 2, "x: [M, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits: 4, 6 or 8");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = (n + kTile - 1) / kTile;
-  // int8x: int8 codes with a scale per half block (twice int8's scales) and mins
-  const int64_t halves = bits == 8 && scales.numel() == 2 * tiles * blocks * kTile ? 2 : 1;
-  TORCH_CHECK((bits == 4 || halves == 2) == mins.has_value(), "int4 and int8x codes take mins, int8 codes none");
+  // int8x and int6: a scale per half block (twice int8's scales), and mins unless all are 0
+  const int64_t halves = bits == 6 || (bits == 8 && scales.numel() == 2 * tiles * blocks * kTile) ? 2 : 1;
+  TORCH_CHECK(halves == 2 || (bits == 4) == mins.has_value(), "int4 codes take mins, int8 codes none");
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32, got ", K);
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
                   codes.numel() == tiles * blocks * kBlock * kTile * bits / 8,
               "codes: uint8, repacked for ", n, " rows of ", K, " columns");
   TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 2 &&
                   scales.numel() == halves * tiles * blocks * kTile,
-              "scales: float16 [tiles, blocks, 16] (int8x: [tiles, blocks, 2, 16])");
+              "scales: float16 [tiles, blocks, 16] (int8x, int6: [tiles, blocks, 2, 16])");
   if (mins)
     TORCH_CHECK(mins->is_contiguous() && mins->element_size() == 2 && mins->numel() == tiles * blocks * kTile,
                 "mins: float16 [tiles, blocks, 16]");
@@ -182,7 +193,7 @@ void register_int8_act(pybind11::module& m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("int8_act_linear", &pagedllm::int8_act_linear, no_gil, py::arg("x"), py::arg("codes"),
         py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("n"), py::arg("variant") = "",
-        "x [M, K] (8-bit per block of 32 on the way in) @ repacked int4 / int8 / int8x codes -> [M, n] in "
+        "x [M, K] (8-bit per block of 32 on the way in) @ repacked int4 / int6 / int8 / int8x codes -> [M, n] in "
         "x's dtype, in integers (int8_act.h); variant: '' for the fastest, or one of "
         "int8_act_variants()");
   m.def("int8_act_quantize", &pagedllm::int8_act_quantize, no_gil,

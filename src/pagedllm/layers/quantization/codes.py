@@ -143,8 +143,16 @@ class Int8xWeight(_Codes):
         return cls(codes.q, scale, torch.zeros_like(codes.scale))
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> Int8xWeight:
-        return cls.of(Int8Weight.from_float(weight))
+    def from_float(cls, weight: torch.Tensor, bits: int = 8) -> Int8xWeight:
+        """Symmetric codes of `bits` bits per half group: scale = max |w| / (2^(bits-1) - 1),
+        q = round(w / scale) (bits 6: the codes int6 layers hold, in -31..31), mins 0."""
+        n, k = weight.shape
+        w = _groups(weight).reshape(n, k // HALF, HALF)
+        top = 2 ** (bits - 1) - 1
+        scale = w.abs().amax(dim=-1) / top
+        inv = torch.where(scale == 0, 0.0, 1 / scale)
+        q = torch.round(w * inv[..., None]).clamp(-top, top).to(torch.int8)
+        return cls(q.reshape(n, k), scale, torch.zeros(n, k // BLOCK))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: q * scale + min."""

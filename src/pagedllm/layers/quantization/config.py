@@ -70,7 +70,7 @@ class QuantizationConfig:
         kind = self.code_kinds.get(prefix)
         start, size = layer.input_start, layer.input_size_per_partition
         if self.method == "auto" and kind not in METHODS:
-            kind = None  # int8x codes: only the integer kernels take them
+            kind = None  # int6 and int8x codes: only the integer kernels take them
         if kind is None or start % BLOCK or size % BLOCK:
             return UnquantizedLinearMethod(self.prepack, self.fixed_order)
         if self.method == "int8_act":
@@ -104,10 +104,11 @@ def code_layer_kinds(
     packed_modules_mapping: Mapping[str, list[str]],
     tie_word_embeddings: bool,
 ) -> dict[str, str]:
-    """Layer -> "int4" | "int8" | "int8x" for the layers whose every part the checkpoint stores
-    in codes: "int8x" where they are of that kind or of different kinds (Int8xWeight.of makes
-    any of them int8x, exactly); a tied LM head -> the embedding's kind when it is int8 or int8x."""
-    names = {Int4Weight: "int4", Int8Weight: "int8", Int8xWeight: "int8x"}
+    """Layer -> "int4" | "int6" | "int8" | "int8x" for the layers whose every part the checkpoint
+    stores in codes: int6 for Int8xWeight's (Q6_K, Q5_K, Q5_1: codes in -32..31) and for those
+    mixed with int4's, int8x for a mix with int8's (Int8xWeight.of makes any of them int8x,
+    exactly); a tied LM head -> the embedding's kind when it is int8 or int6."""
+    names = {Int4Weight: "int4", Int8Weight: "int8", Int8xWeight: "int6"}
     part_of = {p: (packed, len(ps)) for packed, ps in packed_modules_mapping.items() for p in ps}
     kinds: dict[str, list[type]] = {}
     needed: dict[str, int] = {}
@@ -120,7 +121,7 @@ def code_layer_kinds(
         kinds.setdefault(layer, []).append(kind)
         needed[layer] = parts
     found = {
-        layer: names[k[0]] if len(set(k)) == 1 else "int8x"
+        layer: names[k[0]] if len(set(k)) == 1 else "int8x" if Int8Weight in k else "int6"
         for layer, k in kinds.items()
         if len(k) == needed[layer] and all(kind in names for kind in k)
     }

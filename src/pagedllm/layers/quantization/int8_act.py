@@ -1,5 +1,5 @@
-"""A GGUF's int4 / int8 codes multiplied in integers with 8-bit activations (the default for a
-quantized GGUF on CPU, `--dtype auto`), as llama.cpp does.
+"""A GGUF's int4 / int6 / int8 codes multiplied in integers with 8-bit activations (the default
+for a quantized GGUF on CPU, `--dtype auto`), as llama.cpp does.
 
 Each call quantizes its input per row and block of 32 columns (Q8_0's rule), multiplies the
 codes in int32 and applies the block scales in one fixed order per output
@@ -32,15 +32,45 @@ def _tiles(rows: int) -> int:
     return -(-rows // TILE)
 
 
-KINDS = {"int4": Int4Weight, "int8": Int8Weight, "int8x": Int8xWeight}
+# int6 holds int8x's numbers (Int8xWeight) whose codes fit in -32..31 (Q6_K, Q5_K, Q5_1, and
+# int4's codes beside them) in 6 bits; int8x keeps 8 (a layer that mixes them with int8's).
+KINDS = {"int4": Int4Weight, "int6": Int8xWeight, "int8": Int8Weight, "int8x": Int8xWeight}
+BITS = {"int4": 4, "int6": 6, "int8": 8, "int8x": 8}
 
 
-def _words(codes: QuantWeight) -> torch.Tensor:
+def _int6_bytes(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in -32..31 -> uint8 [N, K / 32, 6 chunks, 4]: u = q + 32, its low 4 bits
+    as int4's layout, its high 2 bits packed four to a byte (kernels/csrc/int8_act.h)."""
+    n, k = q.shape
+    if q.numel() and (q.min() < -32 or q.max() > 31):
+        raise ValueError("int6 codes must lie in -32..31")
+    u = (q + 32).view(torch.uint8).reshape(n, k // BLOCK, 2, 16)  # [.., half, 16 codes]
+    nibbles = (u[:, :, 0] & 15) | ((u[:, :, 1] & 15) << 4)  # [N, blocks, 16]: 4 chunks of 4
+    # [.., half h, pair p, s, i]: code 16h + 8p + 4s + i, its bits at 4s + 2h of pair p's byte i
+    high = (u >> 4).reshape(n, k // BLOCK, 2, 2, 2, 4)
+    pairs = high[:, :, 0, :, 0] | high[:, :, 1, :, 0] << 2
+    pairs |= high[:, :, 0, :, 1] << 4 | high[:, :, 1, :, 1] << 6
+    return torch.cat([nibbles.reshape(n, k // BLOCK, 4, 4), pairs], dim=2)
+
+
+def int6_codes(chunks: torch.Tensor) -> torch.Tensor:
+    """_int6_bytes' inverse: uint8 [..., 6 chunks, 4] -> int16 codes [..., 32] in -32..31."""
+    nibbles, pairs = chunks[..., :4, :], chunks[..., 4:, :].repeat_interleave(2, dim=-2)
+    at = torch.tensor([0, 4, 0, 4], dtype=torch.uint8)[:, None]  # chunk j's pairs: bits 4 (j % 2)
+    lo = (nibbles & 15) | ((pairs >> at) & 3) << 4  # codes 4j + i
+    hi = (nibbles >> 4) | ((pairs >> (at + 2)) & 3) << 4  # codes 16 + 4j + i
+    codes = torch.cat([lo.flatten(-2), hi.flatten(-2)], dim=-1)
+    return codes.to(torch.int16) - 32
+
+
+def _words(codes: QuantWeight, kind: str) -> torch.Tensor:
     """int32 [N, K / 32, chunks]: each row's codes as the kernels read them, 4 bytes (one word)
-    at a time (int4: a Q4 block's 16 bytes as they are; int8 and int8x: the codes + 128). Moved
-    as words, the layout's strided copy is a quarter of the elements."""
-    if isinstance(codes, Int4Weight):
+    at a time (int4: a Q4 block's 16 bytes as they are; int8 and int8x: the codes + 128; int6:
+    _int6_bytes). Moved as words, the layout's strided copy is a quarter of the elements."""
+    if kind == "int4":
         chunks = codes.packed.reshape(codes.shape[0], -1, 4, 4)
+    elif kind == "int6":
+        chunks = _int6_bytes(codes.q)
     else:
         chunks = (codes.q.view(torch.uint8) ^ 128).reshape(codes.shape[0], -1, 8, 4)
     return chunks.view(torch.int32).squeeze(-1)
@@ -55,19 +85,19 @@ class Int8ActLinearMethod(LinearMethodBase):
     fixed_order = True  # batch invariant by construction
 
     def __init__(self, kind: str, variant: str = ""):
-        """kind: the layer's codes, "int4", "int8" or "int8x" (config.code_layer_kinds); variant:
-        the kernel to run ('' for the fastest this CPU has; tests name others)."""
+        """kind: the layer's codes, "int4", "int6", "int8" or "int8x" (config.code_layer_kinds);
+        variant: the kernel to run ('' for the fastest this CPU has; tests name others)."""
         self.kind, self.codes_cls, self.variant = kind, KINDS[kind], variant
-        self.bits = 4 if kind == "int4" else 8
+        self.bits = BITS[kind]
+        self.halves = 2 if self.codes_cls is Int8xWeight else 1  # scales per block
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
         tiles, blocks, chunks = _tiles(rows), cols // BLOCK, self.bits
         codes = torch.empty(tiles, blocks, chunks, TILE, 4, dtype=torch.uint8)
-        codes[-1].zero_()  # the last tile's padding rows (codes + 128 of 0: a zero weight)
+        codes[-1].zero_()  # the last tile's padding rows: zero scales, zero weights
         layer.register_buffer("int8_act_codes", codes)
-        halves = 2 if self.kind == "int8x" else 1
-        scales = torch.zeros(tiles, blocks * halves, TILE, dtype=torch.float16)
+        scales = torch.zeros(tiles, blocks * self.halves, TILE, dtype=torch.float16)
         layer.register_buffer("int8_act_scales", scales)
         if self.kind != "int8":
             mins = torch.zeros(tiles, blocks, TILE, dtype=torch.float16)
@@ -75,16 +105,20 @@ class Int8ActLinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
 
+    def _from_float(self, weight: torch.Tensor) -> QuantWeight:
+        if self.kind == "int6":
+            return Int8xWeight.from_float(weight, bits=6)
+        return self.codes_cls.from_float(weight)
+
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantWeight, row: int) -> None:
         if isinstance(loaded, torch.Tensor):  # a tied head's padding rows, or float weights
-            loaded = self.codes_cls.from_float(loaded.float())
-        if self.kind == "int8x":  # a part of another kind in a layer that mixes them
+            loaded = self._from_float(loaded.float())
+        if self.codes_cls is Int8xWeight:  # a part of another kind in a layer that mixes them
             loaded = Int8xWeight.of(loaded)
         if not isinstance(loaded, self.codes_cls):
             raise ValueError(f"has {type(loaded).__name__} codes, not {self.kind}")
-        parts = [
-            (layer.int8_act_codes.view(torch.int32).squeeze(-1).permute(0, 3, 1, 2), _words(loaded))
-        ]
+        words = _words(loaded, self.kind)
+        parts = [(layer.int8_act_codes.view(torch.int32).squeeze(-1).permute(0, 3, 1, 2), words)]
         parts.append((layer.int8_act_scales.transpose(1, 2), loaded.scale))
         if self.kind != "int8":
             parts.append((layer.int8_act_mins.transpose(1, 2), loaded.min))
@@ -106,10 +140,14 @@ class Int8ActLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" in layer._parameters:
             del layer.weight
+        mins = getattr(layer, "int8_act_mins", None)
+        if self.halves == 2 and not mins.any():  # Q6_K's: the kernels skip them
+            del layer.int8_act_mins
 
     def codes(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        """The kernel's arguments after x: codes, scales, mins (None for int8). int8x's scales
-        are [tiles, blocks * 2, 16]: each block's two halves in turn."""
+        """The kernel's arguments after x: codes, scales, mins (None for int8, and for int8x and
+        int6 whose mins are all 0). int8x's and int6's scales are [tiles, blocks * 2, 16]: each
+        block's two halves in turn."""
         mins = getattr(layer, "int8_act_mins", None)
         return layer.int8_act_codes, layer.int8_act_scales, mins
 
