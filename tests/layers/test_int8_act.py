@@ -289,15 +289,19 @@ def test_a_layer_whose_parts_mix_kinds_takes_them_all_as_one(k_kind, want_kind):
 
 
 def test_int6s_layout_holds_every_code_and_refuses_wider_ones():
-    from pagedllm.layers.quantization.int8_act import _int6_bytes, int6_codes
+    from pagedllm.layers.quantization.int8_act import int6_codes
 
     q = torch.randint(-32, 32, (20, 96), dtype=torch.int8)
     q[0, :64] = torch.arange(-32, 32)
-    chunks = _int6_bytes(q)
+    chunks = ops().int8_act_int6_words(q).view(torch.uint8).reshape(20, 3, 6, 4)
     assert chunks.shape == (20, 3, 6, 4) and chunks.dtype == torch.uint8
     assert torch.equal(int6_codes(chunks).reshape(20, 96), q.to(torch.int16))
     # chunk 0 holds codes 0-3 (low nibbles) and 16-19 (high) of each block in int4's layout
     u = (q + 32).to(torch.uint8)
     assert torch.equal(chunks[:, 0, 0], (u[:, :4] & 15) | (u[:, 16:20] & 15) << 4)
+    # chunk 4 holds the high bit pairs of codes 0-3, 16-19, 4-7 and 20-23, from bit 0
+    hb = u >> 4
+    pairs = hb[:, :4] | hb[:, 16:20] << 2 | hb[:, 4:8] << 4 | hb[:, 20:24] << 6
+    assert torch.equal(chunks[:, 0, 4], pairs)
     with pytest.raises(ValueError, match="-32..31"):
-        _int6_bytes(torch.full((1, 32), 32, dtype=torch.int8))
+        ops().int8_act_int6_words(torch.full((1, 32), 32, dtype=torch.int8))

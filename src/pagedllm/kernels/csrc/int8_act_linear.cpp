@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -154,6 +155,38 @@ std::vector<at::Tensor> int8_act_quantize(const at::Tensor& x) {
   return {q, d, sum, sum16};
 }
 
+at::Tensor int8_act_int6_words(const at::Tensor& q) {
+  using namespace int8_act;
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) % kBlock == 0,
+              "q: int8 [N, K], K a multiple of 32");
+  const at::Tensor qc = q.contiguous();
+  const int64_t N = qc.size(0), K = qc.size(1), blocks = K / kBlock;
+  at::Tensor words = at::empty({N, blocks, 6}, qc.options().dtype(at::kInt));
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  uint8_t* out = reinterpret_cast<uint8_t*>(words.data_ptr<int32_t>());
+  std::atomic<bool> outside{false};
+  at::parallel_for(0, N * blocks, 1024, [&](int64_t begin, int64_t end) {
+    bool bad = false;
+    for (int64_t blk = begin; blk < end; ++blk) {
+      uint8_t u[kBlock];
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int v = qp[blk * kBlock + i] + 32;
+        bad |= v < 0 || v > 63;
+        u[i] = static_cast<uint8_t>(v);
+      }
+      uint8_t* o = out + blk * 24;  // int8_act.h's int6 layout, one row's block
+      for (int i = 0; i < 16; ++i) o[i] = (u[i] & 15) | (u[16 + i] & 15) << 4;
+      for (int p = 0; p < 2; ++p)
+        for (int i = 0; i < 4; ++i)
+          o[16 + 4 * p + i] = (u[8 * p + i] >> 4) | (u[16 + 8 * p + i] >> 4) << 2 | (u[8 * p + 4 + i] >> 4) << 4 |
+                              (u[16 + 8 * p + 4 + i] >> 4) << 6;
+    }
+    if (bad) outside = true;
+  });
+  TORCH_CHECK_VALUE(!outside, "int6 codes must lie in -32..31");
+  return words;
+}
+
 at::Tensor int8_act_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            const std::optional<at::Tensor>& mins, int64_t bits, int64_t n,
                            const std::string& variant) {
@@ -199,6 +232,9 @@ void register_int8_act(pybind11::module& m) {
   m.def("int8_act_quantize", &pagedllm::int8_act_quantize, no_gil,
         "x [M, K] -> (codes int8 [M, K], scales float32 [M, K / 32], sums int32 [M, K / 32], "
         "half-block sums int32 [M, K / 16])");
+  m.def("int8_act_int6_words", &pagedllm::int8_act_int6_words, no_gil,
+        "int8 codes [N, K] in -32..31 -> int32 [N, K / 32, 6]: each row's blocks in int8_act.h's int6 "
+        "layout, a word (4 bytes) of each of a block's 6 chunks");
   m.def("int8_act_variants", &pagedllm::int8_act_variants,
         "the integer kernels this build has, fastest first; 'reference' always");
 }

@@ -38,23 +38,10 @@ KINDS = {"int4": Int4Weight, "int6": Int8xWeight, "int8": Int8Weight, "int8x": I
 BITS = {"int4": 4, "int6": 6, "int8": 8, "int8x": 8}
 
 
-def _int6_bytes(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] in -32..31 -> uint8 [N, K / 32, 6 chunks, 4]: u = q + 32, its low 4 bits
-    as int4's layout, its high 2 bits packed four to a byte (kernels/csrc/int8_act.h)."""
-    n, k = q.shape
-    if q.numel() and (q.min() < -32 or q.max() > 31):
-        raise ValueError("int6 codes must lie in -32..31")
-    u = (q + 32).view(torch.uint8).reshape(n, k // BLOCK, 2, 16)  # [.., half, 16 codes]
-    nibbles = (u[:, :, 0] & 15) | ((u[:, :, 1] & 15) << 4)  # [N, blocks, 16]: 4 chunks of 4
-    # [.., half h, pair p, s, i]: code 16h + 8p + 4s + i, its bits at 4s + 2h of pair p's byte i
-    high = (u >> 4).reshape(n, k // BLOCK, 2, 2, 2, 4)
-    pairs = high[:, :, 0, :, 0] | high[:, :, 1, :, 0] << 2
-    pairs |= high[:, :, 0, :, 1] << 4 | high[:, :, 1, :, 1] << 6
-    return torch.cat([nibbles.reshape(n, k // BLOCK, 4, 4), pairs], dim=2)
-
-
 def int6_codes(chunks: torch.Tensor) -> torch.Tensor:
-    """_int6_bytes' inverse: uint8 [..., 6 chunks, 4] -> int16 codes [..., 32] in -32..31."""
+    """int8_act_int6_words' inverse, on bytes: uint8 [..., 6 chunks, 4] -> int16 codes [..., 32]
+    in -32..31 (u = q + 32: its low 4 bits in chunks 0-3 as int4's, its high 2 in chunks 4-5,
+    kernels/csrc/int8_act.h)."""
     nibbles, pairs = chunks[..., :4, :], chunks[..., 4:, :].repeat_interleave(2, dim=-2)
     at = torch.tensor([0, 4, 0, 4], dtype=torch.uint8)[:, None]  # chunk j's pairs: bits 4 (j % 2)
     lo = (nibbles & 15) | ((pairs >> at) & 3) << 4  # codes 4j + i
@@ -66,11 +53,11 @@ def int6_codes(chunks: torch.Tensor) -> torch.Tensor:
 def _words(codes: QuantWeight, kind: str) -> torch.Tensor:
     """int32 [N, K / 32, chunks]: each row's codes as the kernels read them, 4 bytes (one word)
     at a time (int4: a Q4 block's 16 bytes as they are; int8 and int8x: the codes + 128; int6:
-    _int6_bytes). Moved as words, the layout's strided copy is a quarter of the elements."""
+    int8_act_int6_words). Moved as words, the layout's strided copy is a quarter of the elements."""
     if kind == "int4":
         chunks = codes.packed.reshape(codes.shape[0], -1, 4, 4)
     elif kind == "int6":
-        chunks = _int6_bytes(codes.q)
+        return kernels.cpu_ops().int8_act_int6_words(codes.q)
     else:
         chunks = (codes.q.view(torch.uint8) ^ 128).reshape(codes.shape[0], -1, 8, 4)
     return chunks.view(torch.int32).squeeze(-1)
