@@ -305,3 +305,20 @@ def test_int6s_layout_holds_every_code_and_refuses_wider_ones():
     assert torch.equal(chunks[:, 0, 4], pairs)
     with pytest.raises(ValueError, match="-32..31"):
         ops().int8_act_int6_words(torch.full((1, 32), 32, dtype=torch.int8))
+
+
+def test_an_int6_layer_takes_float_rows_as_6_bit_codes():
+    """Float rows (a tied head's padding, float weights) given to an int6 layer are quantized to
+    6-bit codes per half block; the layer then holds those numbers."""
+    torch.manual_seed(9)
+    w = torch.randn(20, 64)
+    codes = Int8xWeight.from_float(w, bits=6)
+    assert codes.q.abs().max() == 31 and not codes.min.any()
+    assert (codes.dequantize() - w).abs().max() <= codes.scale.max() / 2 + 1e-6
+    layer = layer_of(w, kind="int6")
+    x = torch.randn(3, 64)
+    q, d, _ = quantize_like_q8(x)
+    xd = (q.double().reshape(3, 2, 32) * d.double()[..., None]).reshape(3, 64)
+    kept = Int8xWeight(codes.q, codes.scale.half().float(), codes.min)
+    want = xd @ kept.dequantize().double().T
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)

@@ -92,14 +92,10 @@ class Int8ActLinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
 
-    def _from_float(self, weight: torch.Tensor) -> QuantWeight:
-        if self.kind == "int6":
-            return Int8xWeight.from_float(weight, bits=6)
-        return self.codes_cls.from_float(weight)
-
     def load_weight(self, layer: nn.Module, loaded: torch.Tensor | QuantWeight, row: int) -> None:
         if isinstance(loaded, torch.Tensor):  # a tied head's padding rows, or float weights
-            loaded = self._from_float(loaded.float())
+            bits = {"bits": self.bits} if self.codes_cls is Int8xWeight else {}  # int6: 6 bits
+            loaded = self.codes_cls.from_float(loaded.float(), **bits)
         if self.codes_cls is Int8xWeight:  # a part of another kind in a layer that mixes them
             loaded = Int8xWeight.of(loaded)
         if not isinstance(loaded, self.codes_cls):
@@ -128,7 +124,7 @@ class Int8ActLinearMethod(LinearMethodBase):
         if "weight" in layer._parameters:
             del layer.weight
         mins = getattr(layer, "int8_act_mins", None)
-        if self.halves == 2 and not mins.any():  # Q6_K's: the kernels skip them
+        if self.halves == 2 and mins is not None and not mins.any():  # Q6_K: the kernels skip 0s
             del layer.int8_act_mins
 
     def codes(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
