@@ -5,6 +5,12 @@ comes close in bytes, so its speed is bandwidth: bytes read / kernel time, repor
 device-to-device copy of the same size timed in the same run (counting the copy's reads and
 writes, as copy bandwidth is usually quoted). Shapes default to the default model's attention
 (9 query heads, 3 KV heads, head_dim 64); block tables are shuffled as a busy pool's are.
+
+`--prefill` (CPU): one request whose whole prompt of each context length attends causally to
+itself, as a prompt's first step does; a question of arithmetic, not bytes. It reports the C++
+kernel (the default's fixed-order path) in GFLOP/s (two multiply-adds per query row, key and
+head_dim element: scores and weighted values) against torch's SDPA on the same rows (the path
+`--no-deterministic` takes for prompts), the two timed in turns.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--head-dim", type=int, default=64)
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--iters", type=int, default=20, help="timed calls (median reported)")
+    group.add_argument("--prefill", action="store_true",
+                       help="one prompt's causal attention instead of decode (CPU)")  # fmt: skip
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -49,6 +57,8 @@ def main(ns: argparse.Namespace) -> int:
     )
     backend = get_attention_backend(ns.backend, device)
     dtype = DTYPES[ns.dtype]
+    if ns.prefill:
+        return prefill_main(ns, device, dtype)
     kv_name = ns.dtype if ns.kv_cache_dtype == "auto" else ns.kv_cache_dtype
     print(f"decode attention, backend {backend.name} on {_device_name(device)}, {ns.dtype} "
           f"queries, {kv_name} KV cache, "
@@ -92,6 +102,61 @@ def run_one(ns, backend, device, dtype, context_len: int) -> dict:
     read_gbps = read_bytes / kernel_s / 1e9
     return dict(bytes=kv_bytes, kernel_s=kernel_s, read_gbps=read_gbps, copy_gbps=copy_gbps,
                 fraction=read_gbps / copy_gbps)  # fmt: skip
+
+
+def prefill_main(ns: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
+    if device.type != "cpu":
+        sys.exit("--prefill compares the CPU kernel with SDPA: run it with --device cpu")
+    kv_name = ns.dtype if ns.kv_cache_dtype == "auto" else ns.kv_cache_dtype
+    print(f"prefill attention on {_device_name(device)}, {torch.get_num_threads()} threads, "
+          f"{ns.dtype} queries, {kv_name} KV cache, one prompt, {ns.num_heads} heads / "
+          f"{ns.num_kv_heads} KV heads x {ns.head_dim}, block size {ns.block_size}")  # fmt: skip
+    print(f"{'prompt':>8} {'kernel ms':>10} {'GFLOP/s':>8} {'SDPA ms':>9} {'GFLOP/s':>8} "
+          f"{'SDPA/kernel':>12}")  # fmt: skip
+    for prompt_len in (int(n) for n in ns.context_lens.split(",")):
+        kernel_s, sdpa_s = run_prefill(ns, device, dtype, prompt_len)
+        flop = 4 * ns.num_heads * ns.head_dim * prompt_len * (prompt_len + 1) / 2
+        print(f"{prompt_len:>8} {kernel_s * 1e3:>10.2f} {flop / kernel_s / 1e9:>8.1f} "
+              f"{sdpa_s * 1e3:>9.2f} {flop / sdpa_s / 1e9:>8.1f} "
+              f"{sdpa_s / kernel_s:>11.2f}x")  # fmt: skip
+    return 0
+
+
+def run_prefill(ns, device, dtype, prompt_len: int) -> tuple[float, float]:
+    """Median seconds of the kernel and of SDPA on one fresh prompt, timed in turns."""
+    from pagedllm.attention.cpu import paged_attention_cpu
+    from pagedllm.attention.sdpa import prefill_sdpa
+
+    bs, kvh, d = ns.block_size, ns.num_kv_heads, ns.head_dim
+    num_blocks = -(-prompt_len // bs)
+    tables = np.random.default_rng(0).permutation(num_blocks).reshape(1, num_blocks)
+    meta = AttentionMetadata.build(
+        bs, np.zeros(prompt_len, np.int64), tables, [prompt_len], [prompt_len], device
+    )
+    k_cache, v_cache = (_cache(ns, (num_blocks, bs, kvh, d), device, dtype) for _ in range(2))
+    query = torch.randn(prompt_len, ns.num_heads, d, device=device).to(dtype)
+    # The prompt's own K/V as SDPA reads them in a fresh prompt's step: this step's rows.
+    positions = np.arange(prompt_len)
+    rows = torch.from_numpy(tables[0][positions // bs] * bs + positions % bs)
+    key, value = (kv_quant.read_rows(c, dtype).view(-1, kvh, d)[rows] for c in (k_cache, v_cache))
+    scale = d**-0.5
+
+    def kernel():
+        paged_attention_cpu(query, k_cache, v_cache, meta, scale, min_sdpa_query_len=0)
+
+    def sdpa():
+        out = torch.empty_like(query)
+        prefill_sdpa(query, k_cache, v_cache, meta, scale, None, None, out, key=key, value=value)
+
+    times = {kernel: [], sdpa: []}
+    for fn in times:
+        fn()
+    for _ in range(ns.iters):
+        for fn, ts in times.items():
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(times[kernel]), statistics.median(times[sdpa])
 
 
 def _cache(ns, shape, device, dtype) -> torch.Tensor:

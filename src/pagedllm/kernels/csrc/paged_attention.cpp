@@ -10,6 +10,10 @@
 // them. Every split and chunk is fixed by a row's own positions, never by the batch, the tile,
 // the block size or the prompt's chunking, so a row's result is bit for bit the same in all of
 // them (docs/determinism.md).
+// A chunk against a tile is two small matrix products: its keys are transposed once, so each
+// slot's scores come out a vector of keys at a time (no horizontal sums; each score's products
+// added in a fixed order, see score_slots), and the weighted V rows are added as outer
+// products; several slots share each row loaded.
 // Decode (one row per request), chunked prefill and prefill with cached context are the same
 // loop: row r of a request with q_len rows and seq_len context tokens sits at position
 // seq_len - q_len + r and sees keys up to it (and, with a sliding window, above position - window).
@@ -42,7 +46,11 @@ constexpr int64_t kQueryTile = 16;
 constexpr int64_t kPartition = 512;  // tokens of context per work item at most
 // Keys are taken kKeyChunk positions at a time (one online-softmax update each), whatever the
 // block size: the order of a row's sums depends on its positions alone.
-constexpr int64_t kKeyChunk = 16;
+constexpr int64_t kKeyChunk = 32;
+// A chunk's rows are gathered kSegment at a time: a float cache's are read in place where the
+// block size is a multiple of kSegment (a segment then never crosses a block).
+constexpr int64_t kSegment = 16;
+constexpr int64_t kSegments = kKeyChunk / kSegment;
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim up to 16 vectors (256 with AVX-512)
 
 // Vec::size() elements of a float dtype, as floats.
@@ -57,106 +65,191 @@ inline Vec load_vec(const T* src) {
   }
 }
 
+// A vector loaded once into a register: without this the compiler folds the load into every
+// FMA that uses it, and a row shared by four slots is read four times (the loads, not the FMAs,
+// then bound the loop).
+inline Vec in_register(Vec x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = x;
+  asm("" : "+v"(r));
+  return Vec(r);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r = x;
+  asm("" : "+x"(r));
+  return Vec(r);
+#else
+  return x;
+#endif
+}
+
 inline float reduce_sum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
-// Lane t of the result: the sum of a[t]'s eight lanes.
-inline __m256 sum8(const __m256* a) {
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  // s0123 = [a0..a3 over lanes 0-3, a0..a3 over lanes 4-7]; likewise s4567 for a4..a7.
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-#endif
+// Slots that share a pass over the chunk's keys or values: as many as keep the sums in
+// registers (32 vector registers with AVX-512, 16 with AVX2).
+constexpr int kScoreSlots = Vec::size() == 16 ? 4 : 2;
 
-// One (row, head) slot against keys [lo, hi) of a chunk of float rows (key j's K at
-// k + j * ld, its V at v + j * ld): scores, online-softmax update of (run_max, run_sum), and the
-// weighted sum of V into acc.
-// kVecs > 0 fixes head_dim / Vec::size() at compile time so q and acc live in registers;
-// 0 takes it from num_vecs.
-template <int kVecs>
-inline void attend_block(const float* q, const float* k, const float* v, int64_t ld, int64_t lo,
-                         int64_t hi, int64_t num_vecs, float cap, float* scores, float& run_max,
-                         float& run_sum, float* acc) {
-  constexpr int kRegs = kVecs > 0 ? kVecs : 16;
-  const int64_t n = kVecs > 0 ? kVecs : num_vecs;
-  Vec qv[kRegs], av[kRegs];
-  for (int64_t i = 0; i < n; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
-  float block_max = -std::numeric_limits<float>::infinity();
-  int64_t j = lo;
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (kVecs > 0) {
-    // Eight keys at a time: eight independent FMA chains, then one horizontal reduction for
-    // all eight (a key's score does not depend on how many keys are around it).
-    __m256 vmax = _mm256_set1_ps(block_max);
-    for (; j + 8 <= hi; j += 8) {
-      __m256 acc[8];
-      for (int t = 0; t < 8; ++t) {
-        const float* kj = k + (j + t) * ld;
-        __m256 sum = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
-        for (int i = 1; i < kVecs; ++i) sum = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kj + 8 * i), sum);
-        acc[t] = sum;
+// The chunk's scores for kScoreSlots slots, one vector lane per key: slot s's score of key j is
+// q_s . k_j summed over four quarters of head_dim, each quarter's products added in order of d
+// and the quarters as ((0 + 1) + (2 + 3)). kt holds the chunk's keys transposed
+// ([head_dim][kKeyChunk]) and qt the slots' queries interleaved ([head_dim][kScoreSlots]), so
+// no horizontal sum is needed and every kt row loaded serves all the slots. The order depends
+// on nothing but head_dim: not the slots beside s, the vector width or the batch.
+inline void score_slots(const float* qt, int64_t head_dim, const float* kt, float* scores) {
+  constexpr int kLanes = kKeyChunk / Vec::size();  // vectors per kt row
+  constexpr int S = kScoreSlots;
+  const int64_t quarter = head_dim / 4;
+  Vec half[S][kLanes], sum[S][kLanes];
+  for (int c = 0; c < 4; ++c) {
+    Vec acc[S][kLanes];
+    for (int s = 0; s < S; ++s)
+      for (int t = 0; t < kLanes; ++t) acc[s][t] = Vec(0.f);
+    for (int64_t d = c * quarter; d < (c + 1) * quarter; ++d) {
+      Vec k[kLanes];
+      for (int t = 0; t < kLanes; ++t)
+        k[t] = in_register(Vec::loadu(kt + d * kKeyChunk + t * Vec::size()));
+      for (int s = 0; s < S; ++s) {
+        const Vec qs(qt[d * S + s]);
+        for (int t = 0; t < kLanes; ++t) acc[s][t] = at::vec::fmadd(qs, k[t], acc[s][t]);
       }
-      __m256 x = sum8(acc);
-      if (cap > 0.f) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, x);
-        for (float& y : tmp) y = cap * std::tanh(y / cap);
-        x = _mm256_load_ps(tmp);
-      }
-      _mm256_storeu_ps(scores + j, x);
-      vmax = _mm256_max_ps(vmax, x);
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vmax);
-    for (float y : lanes) block_max = std::max(block_max, y);
+    for (int s = 0; s < S; ++s) {
+      for (int t = 0; t < kLanes; ++t) {
+        if (c == 0) half[s][t] = acc[s][t];
+        else if (c == 1) half[s][t] = half[s][t] + acc[s][t];
+        else if (c == 2) sum[s][t] = acc[s][t];
+        else sum[s][t] = half[s][t] + (sum[s][t] + acc[s][t]);
+      }
+    }
   }
-#endif
-  for (; j < hi; ++j) {
-    const float* kj = k + j * ld;
-    Vec sum = qv[0] * Vec::loadu(kj);
-    for (int64_t i = 1; i < n; ++i) sum = at::vec::fmadd(qv[i], Vec::loadu(kj + i * Vec::size()), sum);
-    float x = reduce_sum(sum);
-    if (cap > 0.f) x = cap * std::tanh(x / cap);
-    scores[j] = x;
-    block_max = std::max(block_max, x);
-  }
-  const float new_max = std::max(run_max, block_max);
-  const float correction = run_sum > 0.f ? std::exp(run_max - new_max) : 0.f;
-  run_max = new_max;
-  // Weights exp(score - max), a vector at a time.
-  Vec total(0.f);
-  for (int64_t j = lo; j < hi; j += Vec::size()) {
-    const int64_t count = std::min<int64_t>(Vec::size(), hi - j);
-    Vec p = (Vec::loadu(scores + j, count) - Vec(new_max)).exp_u20();
-    if (count < Vec::size()) p = Vec::set(Vec(0.f), p, count);
-    p.store(scores + j, count);
-    total = total + p;
-  }
-  run_sum = run_sum * correction + reduce_sum(total);
-  for (int64_t i = 0; i < n; ++i) av[i] = Vec::loadu(acc + i * Vec::size()) * Vec(correction);
-  for (int64_t j = lo; j < hi; ++j) {
-    const Vec p(scores[j]);
-    const float* vj = v + j * ld;
-    for (int64_t i = 0; i < n; ++i) av[i] = at::vec::fmadd(p, Vec::loadu(vj + i * Vec::size()), av[i]);
-  }
-  for (int64_t i = 0; i < n; ++i) av[i].store(acc + i * Vec::size());
+  for (int s = 0; s < S; ++s)
+    for (int t = 0; t < kLanes; ++t) sum[s][t].store(scores + s * kKeyChunk + t * Vec::size());
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                          int64_t, float, float*, float&, float&, float*);
+// kSlots slots (each head_dim floats of acc): acc = acc * corr + sum over keys j in [lo, hi)
+// of p_j V_j, in order of j; key j's V row at v[j / kSegment] + (j % kSegment) * ld. A slot's
+// p_j is 0 for keys outside its own range, and fma(0, v, a) is a, so the slots sharing a pass
+// do not change each other's sums.
+// kVecs > 0 fixes head_dim / Vec::size() at compile time; 0 takes it from num_vecs.
+template <int kSlots, int kVecs>
+inline void weigh_values(const float* p, const float* corr, const float* const* v, int64_t ld,
+                         int64_t lo, int64_t hi, int64_t num_vecs, int64_t head_dim, float* acc) {
+  constexpr int kRegs = kVecs > 0 ? kVecs : kMaxHeadVecs;
+  const int64_t n = kVecs > 0 ? kVecs : num_vecs;
+  Vec a[kSlots][kRegs];
+  for (int s = 0; s < kSlots; ++s)
+    for (int64_t i = 0; i < n; ++i)
+      a[s][i] = Vec::loadu(acc + s * head_dim + i * Vec::size()) * Vec(corr[s]);
+  for (int64_t g = lo / kSegment; g * kSegment < hi; ++g) {
+    const float* vg = v[g] - g * kSegment * ld;
+    for (int64_t j = std::max(lo, g * kSegment); j < std::min(hi, (g + 1) * kSegment); ++j) {
+      Vec ps[kSlots];
+      for (int s = 0; s < kSlots; ++s) ps[s] = Vec(p[s * kKeyChunk + j]);
+      const float* vj = vg + j * ld;
+      for (int64_t i = 0; i < n; ++i) {
+        const Vec x = in_register(Vec::loadu(vj + i * Vec::size()));
+        for (int s = 0; s < kSlots; ++s) a[s][i] = at::vec::fmadd(ps[s], x, a[s][i]);
+      }
+    }
+  }
+  for (int s = 0; s < kSlots; ++s)
+    for (int64_t i = 0; i < n; ++i) a[s][i].store(acc + s * head_dim + i * Vec::size());
+}
+
+template <int kVecs>
+constexpr int value_slots() {
+  constexpr int regs = Vec::size() == 16 ? 16 : 8;
+  return kVecs <= 0 ? 1 : std::max(1, std::min(4, regs / kVecs));
+}
+
+// The tile's slots [0, slots) against one chunk: kt the chunk's K transposed, V rows at
+// v + j * ld; slot s sees keys [lo[s], hi[s]) (none when hi <= lo). Updates each slot's
+// online softmax (run_max, run_sum) and acc; scores / p: slots x kKeyChunk scratch.
+template <int kVecs>
+void attend_chunk(const float* qt, int64_t slots, const float* kt, const float* const* v,
+                  int64_t ld,
+                  const int64_t* lo, const int64_t* hi, int64_t num_vecs, int64_t head_dim,
+                  float cap, float* p, float* corr, float* run_max, float* run_sum, float* acc) {
+  int64_t s = 0;
+  for (; s < slots; s += kScoreSlots)  // qt: a whole group for every kScoreSlots slots
+    score_slots(qt + s * head_dim, head_dim, kt, p + s * kKeyChunk);
+
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const Vec lane = Vec::arange(0.f, 1.f);
+  int64_t any_lo = kKeyChunk, any_hi = 0;
+  for (s = 0; s < slots; ++s) {
+    float* ps = p + s * kKeyChunk;
+    if (hi[s] <= lo[s]) {  // no key of this chunk: the state is left as it is
+      std::fill(ps, ps + kKeyChunk, 0.f);
+      corr[s] = 1.f;
+      continue;
+    }
+    any_lo = std::min(any_lo, lo[s]);
+    any_hi = std::max(any_hi, hi[s]);
+    if (cap > 0.f) {
+      for (int64_t j = lo[s]; j < hi[s]; ++j) ps[j] = cap * std::tanh(ps[j] / cap);
+    }
+    const Vec from(static_cast<float>(lo[s])), to(static_cast<float>(hi[s]));
+    Vec x[kKeyChunk / Vec::size()], in[kKeyChunk / Vec::size()];
+    Vec vmax(neg_inf);
+    for (int64_t t = 0; t < kKeyChunk / Vec::size(); ++t) {
+      const Vec idx = lane + Vec(static_cast<float>(t * Vec::size()));
+      in[t] = (idx >= from) & (idx < to);
+      x[t] = Vec::blendv(Vec(neg_inf), Vec::loadu(ps + t * Vec::size()), in[t]);
+      vmax = at::vec::maximum(vmax, x[t]);
+    }
+    const float block_max =
+        at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+    const float new_max = std::max(run_max[s], block_max);
+    corr[s] = run_sum[s] > 0.f ? std::exp(run_max[s] - new_max) : 0.f;
+    run_max[s] = new_max;
+    Vec total(0.f);
+    for (int64_t t = 0; t < kKeyChunk / Vec::size(); ++t) {
+      const Vec w = Vec::blendv(Vec(0.f), (x[t] - Vec(new_max)).exp_u20(), in[t]);
+      w.store(ps + t * Vec::size());
+      total = total + w;
+    }
+    run_sum[s] = run_sum[s] * corr[s] + reduce_sum(total);
+  }
+  if (any_hi <= any_lo) return;
+
+  constexpr int kV = value_slots<kVecs>();
+  auto weigh = [&](auto count, int64_t first) {
+    weigh_values<decltype(count)::value, kVecs>(p + first * kKeyChunk, corr + first, v, ld,
+                                                any_lo, any_hi, num_vecs, head_dim,
+                                                acc + first * head_dim);
+  };
+  for (s = 0; s + kV <= slots; s += kV) weigh(std::integral_constant<int, kV>{}, s);
+  // The last slots (fewer than kV), in one pass too.
+  switch (slots - s) {
+    case 3: if constexpr (kV > 3) weigh(std::integral_constant<int, 3>{}, s); break;
+    case 2: if constexpr (kV > 2) weigh(std::integral_constant<int, 2>{}, s); break;
+    case 1: weigh(std::integral_constant<int, 1>{}, s); break;
+    default: break;
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, const float*, const float* const*, int64_t,
+                          const int64_t*, const int64_t*, int64_t, int64_t, float, float*,
+                          float*, float*, float*, float*);
 
 inline AttendFn attend_for(int64_t num_vecs) {
   switch (num_vecs) {
-    case 2: return attend_block<2>;
-    case 4: return attend_block<4>;
-    case 8: return attend_block<8>;
-    case 16: return attend_block<16>;
-    default: return attend_block<0>;
+    case 2: return attend_chunk<2>;
+    case 4: return attend_chunk<4>;
+    case 8: return attend_chunk<8>;
+    case 16: return attend_chunk<16>;
+    default: return attend_chunk<0>;
   }
+}
+
+// A segment's K rows (key j at k + j * ld) transposed into kt's columns (kt: [head_dim][kKeyChunk]).
+inline void transpose_keys(const float* k, int64_t ld, int64_t head_dim, float* kt) {
+  constexpr int W = Vec::size();
+  for (int64_t j = 0; j < kSegment; j += W)
+    for (int64_t d = 0; d < head_dim; d += W)
+      at::vec::transpose_mxn<float, W, W>(k + j * ld + d, ld, kt + d * kKeyChunk + j, kKeyChunk);
 }
 
 struct WorkItem {
@@ -194,7 +287,7 @@ void paged_attention_kernel(
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const AttendFn attend = attend_for(num_vecs);
   const int64_t row_bytes = k_cache.size(3) * static_cast<int64_t>(sizeof(cache_t));
-  const bool in_place = std::is_same_v<cache_t, float> && block_size % kKeyChunk == 0 &&
+  const bool in_place = std::is_same_v<cache_t, float> && block_size % kSegment == 0 &&
                         v_cache.strides() == k_cache.strides();
 
   std::vector<WorkItem> items;
@@ -230,25 +323,32 @@ void paged_attention_kernel(
   std::vector<float> partials(partials_size);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_slots = kQueryTile * group;  // (row, head) pairs of a tile
-    std::vector<float> q_buf(max_slots * head_dim), acc(max_slots * head_dim);
+    // (row, head) pairs of a tile, rounded up to whole groups of kScoreSlots
+    const int64_t max_slots = (kQueryTile * group + kScoreSlots - 1) / kScoreSlots * kScoreSlots;
+    std::vector<float> qt(max_slots * head_dim), acc(max_slots * head_dim);
+    std::vector<float> row(head_dim);
     std::vector<float> k_buf(kKeyChunk * head_dim), v_buf(kKeyChunk * head_dim);
-    std::vector<float> run_max(max_slots), run_sum(max_slots), scores(kKeyChunk);
+    std::vector<float> kt(head_dim * kKeyChunk), weights(max_slots * kKeyChunk), corr(max_slots);
+    std::vector<float> run_max(max_slots), run_sum(max_slots);
+    std::vector<int64_t> lo(max_slots), hi(max_slots);
 
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& it = items[w];
       const int64_t q_len = qsl[it.req + 1] - qsl[it.req];
       const int64_t first_pos = lens[it.req] - q_len - qsl[it.req];  // + flattened row index
       const int64_t rows = it.row_end - it.row_begin, slots = rows * group;
-      // The tile's queries, pre-scaled: q_buf[(r * group + g) * head_dim + d].
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < group; ++g) {
-          const scalar_t* src = q_ptr + (it.row_begin + r) * q_row + (it.kv_head * group + g) * q_head;
-          float* dst = &q_buf[(r * group + g) * head_dim];
-          for (int64_t i = 0; i < num_vecs; ++i) {
-            (load_vec(src + i * Vec::size()) * Vec(scale)).store(dst + i * Vec::size());
-          }
+      // The tile's queries, pre-scaled, interleaved kScoreSlots at a time: slot s = r * group + g
+      // at qt[(s / kScoreSlots * head_dim + d) * kScoreSlots + s % kScoreSlots] (a last group's
+      // missing slots are zeros).
+      std::fill(qt.begin(), qt.end(), 0.f);
+      for (int64_t s = 0; s < slots; ++s) {
+        const int64_t r = s / group, g = s % group;
+        const scalar_t* src = q_ptr + (it.row_begin + r) * q_row + (it.kv_head * group + g) * q_head;
+        for (int64_t i = 0; i < num_vecs; ++i) {
+          (load_vec(src + i * Vec::size()) * Vec(scale)).store(&row[i * Vec::size()]);
         }
+        float* dst = &qt[s / kScoreSlots * head_dim * kScoreSlots + s % kScoreSlots];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d * kScoreSlots] = row[d];
       }
       std::fill(acc.begin(), acc.begin() + slots * head_dim, 0.f);
       std::fill(run_max.begin(), run_max.begin() + slots, neg_inf);
@@ -280,37 +380,43 @@ void paged_attention_kernel(
             }
           }
         }
-        // The chunk's K and V rows of this head as floats, once for all the tile's slots: a
-        // float cache's rows are read where they lie (a chunk never crosses a block there),
-        // others are widened into k_buf / v_buf.
-        const float *k_rows = k_buf.data(), *v_rows = v_buf.data();
-        int64_t ld = head_dim;
-        if (in_place) {
-          const int64_t at = key_offset(base) + it.kv_head * c_head;
-          k_rows = reinterpret_cast<const float*>(k_ptr + at);
-          v_rows = reinterpret_cast<const float*>(v_ptr + at);
-          ld = c_token;
-        } else {
-          for (int64_t j = j_begin; j < j_end; ++j) {
-            const int64_t at = key_offset(base + j) + it.kv_head * c_head;
-            row_to_float(k_ptr + at, &k_buf[j * head_dim], num_vecs);
-            row_to_float(v_ptr + at, &v_buf[j * head_dim], num_vecs);
+        // The chunk's K and V rows of this head as floats, once for all the tile's slots, a
+        // segment at a time: a float cache's rows are read where they lie, others are widened
+        // into k_buf / v_buf. The K rows are transposed into kt. A segment without a key of
+        // the item is skipped (its blocks may not exist); its lanes are never used.
+        const float* v_rows[kSegments];
+        int64_t ld = in_place ? c_token : head_dim;
+        for (int64_t g = 0; g < kSegments; ++g) {
+          const int64_t g_begin = std::max(j_begin, g * kSegment);
+          const int64_t g_end = std::min(j_end, (g + 1) * kSegment);
+          v_rows[g] = &v_buf[g * kSegment * head_dim];
+          if (g_end <= g_begin) continue;
+          const float* k_rows = &k_buf[g * kSegment * head_dim];
+          if (in_place) {
+            const int64_t at = key_offset(base + g * kSegment) + it.kv_head * c_head;
+            k_rows = reinterpret_cast<const float*>(k_ptr + at);
+            v_rows[g] = reinterpret_cast<const float*>(v_ptr + at);
+          } else {
+            for (int64_t j = g_begin; j < g_end; ++j) {
+              const int64_t at = key_offset(base + j) + it.kv_head * c_head;
+              row_to_float(k_ptr + at, &k_buf[j * head_dim], num_vecs);
+              row_to_float(v_ptr + at, &v_buf[j * head_dim], num_vecs);
+            }
           }
+          transpose_keys(k_rows, ld, head_dim, &kt[g * kSegment]);
         }
+        // Row r (position pos) sees keys [lo, hi) of this chunk; so do its group's heads.
         for (int64_t r = 0; r < rows; ++r) {
-          // Row r (position pos) sees keys [lo, hi) of this chunk.
           const int64_t pos = pos_begin + r;
-          const int64_t lo = sliding_window > 0
-                                 ? std::max<int64_t>(j_begin, pos - sliding_window + 1 - base)
-                                 : j_begin;
-          const int64_t hi = std::min<int64_t>(j_end, pos + 1 - base);
-          if (hi <= lo) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t s = r * group + g;
-            attend(&q_buf[s * head_dim], k_rows, v_rows, ld, lo, hi, num_vecs, cap,
-                   scores.data(), run_max[s], run_sum[s], &acc[s * head_dim]);
-          }
+          const int64_t row_lo = sliding_window > 0
+                                     ? std::max<int64_t>(j_begin, pos - sliding_window + 1 - base)
+                                     : j_begin;
+          const int64_t row_hi = std::min<int64_t>(j_end, pos + 1 - base);
+          std::fill(&lo[r * group], &lo[r * group] + group, row_lo);
+          std::fill(&hi[r * group], &hi[r * group] + group, row_hi);
         }
+        attend(qt.data(), slots, kt.data(), v_rows, ld, lo.data(), hi.data(), num_vecs,
+               head_dim, cap, weights.data(), corr.data(), run_max.data(), run_sum.data(), acc.data());
       }
       if (it.partial >= 0) {  // this part's state, merged with the other parts' below
         float* part = &partials[it.partial];
