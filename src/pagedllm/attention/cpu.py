@@ -13,13 +13,13 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.sdpa import paged_attention_sdpa, prefill_sdpa
 from pagedllm.kernels import cpu_ops
 
-# Requests with this many query rows or more (prefill chunks) go to SDPA, whose GEMMs beat the
-# kernel's per-row dot products there; fewer (decode, short chunks) to the kernel. Measured with
-# bf16 and fp32 on this project's 2-core AVX-512 machine (docs/performance.md): with 256 cached
-# tokens the kernel is ahead at 4 rows and behind at 8; with none, ahead up to 32.
-# --deterministic sends every row through the kernel (min_sdpa_query_len 0), whose order of sums
-# is fixed by a row's own positions (SDPA's depends on the prompt's length and chunking):
-# docs/determinism.md.
+# --deterministic (the default for quantized models and in float32) sends every row through the
+# kernel (min_sdpa_query_len 0), whose order of sums is fixed by a row's own positions (SDPA's
+# depends on the prompt's length and chunking): docs/determinism.md. Without it, requests with
+# this many query rows or more (prefill chunks) go to SDPA. The crossover was measured when the
+# kernel took one dot product per key (with 256 cached tokens it was ahead at 4 rows); since
+# its chunks became small matrix products it is 1.5x faster than SDPA on a 512-token prompt and
+# 0.93-0.95x on 2048 (`benchmarks.attention --prefill`, docs/performance.md).
 MIN_SDPA_QUERY_LEN = 8
 
 
