@@ -16,10 +16,10 @@ from pagedllm.kernels import cpu_ops
 # --deterministic (the default for quantized models and in float32) sends every row through the
 # kernel (min_sdpa_query_len 0), whose order of sums is fixed by a row's own positions (SDPA's
 # depends on the prompt's length and chunking): docs/determinism.md. Without it, requests with
-# this many query rows or more (prefill chunks) go to SDPA. The crossover was measured when the
-# kernel took one dot product per key (with 256 cached tokens it was ahead at 4 rows); since
-# its chunks became small matrix products it is 1.5x faster than SDPA on a 512-token prompt and
-# 0.93-0.95x on 2048 (`benchmarks.attention --prefill`, docs/performance.md).
+# this many query rows or more (prefill chunks) go to SDPA. That crossover was measured when the
+# kernel took one dot product per key; since its chunks became small matrix products it is
+# ahead of SDPA up to about 2048 rows (docs/performance.md, "What is left"), so this hand-off
+# now costs time below that and wants raising.
 MIN_SDPA_QUERY_LEN = 8
 
 
