@@ -19,7 +19,7 @@ from pagedllm.kernels import cpu_ops
 # this many query rows or more (prefill chunks) go to SDPA. That crossover was measured when the
 # kernel took one dot product per key; since its chunks became small matrix products it is
 # ahead of SDPA up to about 2048 rows (docs/performance.md, "What is left"), so this hand-off
-# now costs time below that and wants raising.
+# now costs time below that and wants raising (separately from the fused decoder's use of it).
 MIN_SDPA_QUERY_LEN = 8
 
 
