@@ -16,13 +16,13 @@ from pagedllm.attention.selector import copy_blocks_torch
 from pagedllm.attention.torch_ref import context_slots
 from pagedllm.config import ModelArchConfig
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
-from tests.attention.test_paged_attention import build_batch, dense_causal_attention
+from tests.attention.test_paged_attention import HANDOFF, build_batch, dense_causal_attention
 
 CODES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 BACKENDS = {
     "sdpa": paged_attention_sdpa,
     "cpu-kernel": functools.partial(paged_attention_cpu, min_sdpa_query_len=0),
-    "cpu": paged_attention_cpu,
+    "cpu": functools.partial(paged_attention_cpu, min_sdpa_query_len=HANDOFF),
 }
 
 

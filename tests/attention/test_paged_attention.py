@@ -20,15 +20,18 @@ from pagedllm.attention import (
     paged_attention_sdpa,
     write_kv_cache,
 )
-from pagedllm.attention.cpu import MIN_SDPA_QUERY_LEN, paged_attention_cpu, write_kv_cache_cpu
+from pagedllm.attention.cpu import paged_attention_cpu, write_kv_cache_cpu
 
+# The CPU backend's hand-off of long prompts to SDPA (`--no-deterministic`), at a threshold
+# these small batches reach (the default is 2048 rows).
+HANDOFF = 8
 BACKENDS = {
     "torch": paged_attention_ref,
     "sdpa": paged_attention_sdpa,
-    # The C++ kernel alone, and as the backend runs it (bfloat16's long prefill chunks through
-    # SDPA; float32's all through the kernel).
+    # The C++ kernel alone, and with the hand-off (prefill chunks of HANDOFF rows or more
+    # through SDPA).
     "cpu-kernel": functools.partial(paged_attention_cpu, min_sdpa_query_len=0),
-    "cpu": paged_attention_cpu,
+    "cpu": functools.partial(paged_attention_cpu, min_sdpa_query_len=HANDOFF),
 }
 # (num_heads, num_kv_heads): MHA, GQA ratio 3, GQA ratio 8, MQA
 HEADS = [(4, 4), (9, 3), (16, 2), (8, 1)]
@@ -266,7 +269,7 @@ def test_fresh_prompts_read_this_steps_kv(backend, window):
     attention = (
         BACKENDS["sdpa"]
         if backend == "sdpa"
-        else functools.partial(paged_attention_cpu, min_sdpa_query_len=MIN_SDPA_QUERY_LEN)
+        else functools.partial(paged_attention_cpu, min_sdpa_query_len=HANDOFF)
     )
     out = attention(
         b["query"], b["k_cache"], b["v_cache"], meta, 0.125, sliding_window=window,

@@ -16,11 +16,11 @@ from pagedllm.kernels import cpu_ops
 # --deterministic (the default for quantized models and in float32) sends every row through the
 # kernel (min_sdpa_query_len 0), whose order of sums is fixed by a row's own positions (SDPA's
 # depends on the prompt's length and chunking): docs/determinism.md. Without it, requests with
-# this many query rows or more (prefill chunks) go to SDPA. That crossover was measured when the
-# kernel took one dot product per key; since its chunks became small matrix products it is
-# ahead of SDPA up to about 2048 rows (docs/performance.md, "What is left"), so this hand-off
-# now costs time below that and wants raising (separately from the fused decoder's use of it).
-MIN_SDPA_QUERY_LEN = 8
+# this many query rows or more go to SDPA: measured in bfloat16 on the 2-core AVX-512 machine,
+# the kernel is ahead on every chunk of up to 512 rows (1.2-5.5x, with 0 to 2048 cached tokens)
+# and on whole prompts up to about this length (1.10x at 1024 rows, 0.98x at 2048, 0.82x at
+# 4096: docs/performance.md).
+MIN_SDPA_QUERY_LEN = 2048
 
 
 def paged_attention_cpu(

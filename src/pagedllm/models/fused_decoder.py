@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from pagedllm import kernels
-from pagedllm.attention.cpu import MIN_SDPA_QUERY_LEN
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import tp_group
@@ -25,6 +24,11 @@ from pagedllm.layers.quantization import (
     Int8LinearMethod,
     UnquantizedLinearMethod,
 )
+
+# Steps whose longest request has fewer new rows than this (decode, short chunks) run fused;
+# prefill chunks go through the modules. It was attention's hand-off to SDPA when the decoder
+# was fused (docs/performance.md, item 8), and stays where it was when that moved.
+FUSED_QUERY_LEN_LIMIT = 8
 
 
 class NotFusable(Exception):
@@ -118,7 +122,7 @@ class FusedDecoder:
         """Every request through the attention kernel (decode, short chunks), one KV group."""
         return (
             meta.groups is None
-            and meta.max_query_len < MIN_SDPA_QUERY_LEN
+            and meta.max_query_len < FUSED_QUERY_LEN_LIMIT
             and (self.max_tokens is None or num_tokens <= self.max_tokens)
             and not torch.is_grad_enabled()
         )
