@@ -73,15 +73,17 @@ def load_transformers(model: str | None):
     return hf.eval(), tokenizer
 
 
-def greedy_continuations(model, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
-    """(prompt length, prompt + transformers' float32 greedy continuation) of each prompt."""
+def greedy_continuations(
+    model, prompts: list[list[int]], num_tokens: int = NUM_TOKENS
+) -> list[tuple[int, list[int]]]:
+    """(prompt length, prompt + transformers' greedy continuation of num_tokens) of each."""
     out = []
     for ids in prompts:
         x = torch.tensor([ids])
         with torch.inference_mode():
             gen = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS, do_sample=False,
+                x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens, do_sample=False,
             )  # fmt: skip
         out.append((len(ids), gen[0].tolist()))
     return out

@@ -11,8 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedllm.model_loader import resolve_model  # noqa: E402
-
 
 def save_tiny_llama(path, seed: int = 0, **overrides) -> "torch.nn.Module":
     """A random tiny Llama saved with save_pretrained (safetensors); returns the HF model."""
@@ -33,13 +31,9 @@ def save_tiny_llama(path, seed: int = 0, **overrides) -> "torch.nn.Module":
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own load of the default GGUF (dequantized to fp32) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from benchmarks.int8_accuracy import load_transformers
 
-    path = resolve_model(None)  # the packaged default GGUF
-    directory = os.path.dirname(path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=path, dtype=torch.float32)
-    return model.eval(), tokenizer
+    return load_transformers(None)  # the packaged default GGUF
 
 
 def hf_chat_ids(tokenizer, question: str) -> list[int]:

@@ -4,6 +4,7 @@ greedy continuations identical, alone and batched, whatever the block size."""
 import pytest
 import torch
 
+from benchmarks.int8_accuracy import greedy_continuations
 from pagedllm import LLM, SamplingParams
 from tests.conftest import hf_chat_ids
 
@@ -22,17 +23,8 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def prompts_and_expected(hf_default_model):
     model, tokenizer = hf_default_model
-    prompts, expected = [], []
-    for question in QUESTIONS:
-        ids = hf_chat_ids(tokenizer, question)
-        prompts.append(ids)
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            out = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS, do_sample=False,
-            )  # fmt: skip
-        expected.append(out[0, len(ids) :].tolist())
+    prompts = [hf_chat_ids(tokenizer, question) for question in QUESTIONS]
+    expected = [seq[n:] for n, seq in greedy_continuations(model, prompts, NUM_TOKENS)]
     assert len({len(p) for p in prompts}) > 1  # the batch mixes prompt lengths
     return prompts, expected
 

@@ -2,15 +2,13 @@
 same file: greedy continuations identical, one prompt longer than the 512-token sliding window,
 whole and in prefill chunks; the tokenizer rebuilt from the GGUF metadata identical to HF's."""
 
-import os
-
 import pytest
-import torch
 
+from benchmarks.int8_accuracy import greedy_continuations, load_transformers
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_manager import NULL_BLOCK
 from pagedllm.core.kv_cache_spec import cdiv
-from pagedllm.model_loader import load_tokenizer, resolve_model
+from pagedllm.model_loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -50,29 +48,14 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def hf_gemma3():
     """transformers' own load of the GGUF (dequantized to float32) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model("gemma3-270m")
-    directory = os.path.dirname(path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=path, dtype=torch.float32)
-    return model.eval(), tokenizer
+    return load_transformers("gemma3-270m")
 
 
 @pytest.fixture(scope="module")
 def prompts_and_expected(hf_gemma3):
     model, tokenizer = hf_gemma3
-    prompts, expected = [], []
-    for text in PROMPTS:
-        ids = tokenizer(text)["input_ids"]
-        prompts.append(ids)
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            out = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS, do_sample=False,
-            )  # fmt: skip
-        expected.append(out[0, len(ids) :].tolist())
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    expected = [seq[n:] for n, seq in greedy_continuations(model, prompts, NUM_TOKENS)]
     assert len(prompts[-1]) > SLIDING_WINDOW + 64
     return prompts, expected
 
