@@ -125,8 +125,10 @@ def test_integer_sums_are_exact(kind):
     n, k = 40, 128
     x = torch.randint(-127, 128, (5, k)).float()
     x[:, ::32] = 127
+    x[1], x[2] = 127, -127  # the largest sums a block can make, either sign
     if kind == "int4":
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        q[:2] = 15  # with x's rows 1 and 2: 32 * 15 * 127 a block, in 16 bits on AVX2
         codes = Int4Weight(pack_int4(q), torch.ones(n, k // 32), torch.zeros(n, k // 32))
     elif kind.startswith("int6"):  # every code, -32 and 31 included
         q = torch.randint(-32, 32, (n, k), dtype=torch.int8)

@@ -51,6 +51,7 @@ struct Activations {
   const int32_t* sum;  // [M][K / 32]
   const int32_t* sum16;  // [M][K / 16]: the sums of each half block (int8x's codes)
   int64_t K;
+  const float* dsum = nullptr;  // [M][K / 32]: d * float(sum), what a block's min is multiplied by
 };
 
 // Repacked weights (see above).
@@ -100,7 +101,18 @@ struct Span {
 // each panel's span of columns (a variant may unpack those codes once there for all the rows).
 constexpr int64_t kSpanBlocks = 8, kPanelTiles = 32, kBlockedFromRows = 32;
 
-template <int kMaxRows, int kMaxTiles, typename RowsTiles>
+// rows_tiles<R, NT>(m, t, span) for the R = rest rows left (0 < rest <= kR).
+template <int kR, int NT, typename RowsTiles>
+inline void rest_rows(int64_t rest, int64_t m, int64_t t, Span s, RowsTiles& rows_tiles) {
+  if constexpr (kR > 0) {
+    if (rest == kR) return rows_tiles.template operator()<kR, NT>(m, t, s);
+    rest_rows<kR - 1, NT>(rest, m, t, s, rows_tiles);
+  }
+}
+
+// kGroupRest: the rows after the last kMaxRows go in one call of their count (a variant that
+// unpacks each code vector once for all its rows), rather than one call per row.
+template <int kMaxRows, int kMaxTiles, bool kGroupRest = false, typename RowsTiles>
 inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, RowsTiles&& rows_tiles) {
   constexpr int64_t kRowChunk = 64;
   const int64_t blocks = w.blocks();
@@ -118,12 +130,20 @@ inline void walk_tiles(int64_t M, const Weights& w, int64_t t0, int64_t t1, Rows
           int64_t m = m0;
           for (; m + kMaxRows <= end; m += kMaxRows)
             rows_tiles.template operator()<kMaxRows, kMaxTiles>(m, t, s);
-          for (; m < end; ++m) rows_tiles.template operator()<1, kMaxTiles>(m, t, s);
+          if constexpr (kGroupRest) {
+            if (m < end) rest_rows<kMaxRows - 1, kMaxTiles>(end - m, m, t, s, rows_tiles);
+          } else {
+            for (; m < end; ++m) rows_tiles.template operator()<1, kMaxTiles>(m, t, s);
+          }
         }
         for (; t < p1; ++t) {
           int64_t m = m0;
           for (; m + kMaxRows <= end; m += kMaxRows) rows_tiles.template operator()<kMaxRows, 1>(m, t, s);
-          for (; m < end; ++m) rows_tiles.template operator()<1, 1>(m, t, s);
+          if constexpr (kGroupRest) {
+            if (m < end) rest_rows<kMaxRows - 1, 1>(end - m, m, t, s, rows_tiles);
+          } else {
+            for (; m < end; ++m) rows_tiles.template operator()<1, 1>(m, t, s);
+          }
         }
       }
     }

@@ -136,7 +136,10 @@ std::vector<std::string> int8_act_variants() {
   return names;
 }
 
-std::vector<at::Tensor> int8_act_quantize(const at::Tensor& x) {
+namespace {
+
+// int8_act_quantize's four tensors, then d * float(sum) per block (Activations::dsum).
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % int8_act::kBlock == 0, "x: [M, K], K a multiple of 32");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), blocks = K / int8_act::kBlock;
@@ -144,15 +147,26 @@ std::vector<at::Tensor> int8_act_quantize(const at::Tensor& x) {
   at::Tensor d = at::empty({M, blocks}, xf.options());
   at::Tensor sum = at::empty({M, blocks}, xf.options().dtype(at::kInt));
   at::Tensor sum16 = at::empty({M, 2 * blocks}, xf.options().dtype(at::kInt));
+  at::Tensor dsum = at::empty({M, blocks}, xf.options());
   const float* xp = xf.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
+  float *dp = d.data_ptr<float>(), *dsp = dsum.data_ptr<float>();
   int32_t *sp = sum.data_ptr<int32_t>(), *hp = sum16.data_ptr<int32_t>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
+    for (int64_t m = begin; m < end; ++m) {
       int8_act::quantize_row(xp + m * K, K, qp + m * K, dp + m * blocks, sp + m * blocks, hp + 2 * m * blocks);
+      for (int64_t b = m * blocks; b < (m + 1) * blocks; ++b) dsp[b] = dp[b] * static_cast<float>(sp[b]);
+    }
   });
-  return {q, d, sum, sum16};
+  return {q, d, sum, sum16, dsum};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> int8_act_quantize(const at::Tensor& x) {
+  std::vector<at::Tensor> xq = quantize_activations(x);
+  xq.pop_back();
+  return xq;
 }
 
 at::Tensor int8_act_int6_words(const at::Tensor& q) {
@@ -208,9 +222,9 @@ at::Tensor int8_act_linear(const at::Tensor& x, const at::Tensor& codes, const a
     TORCH_CHECK(mins->is_contiguous() && mins->element_size() == 2 && mins->numel() == tiles * blocks * kTile,
                 "mins: float16 [tiles, blocks, 16]");
   const TileKernel kernel = kernel_named(variant);
-  const std::vector<at::Tensor> xq = int8_act_quantize(x);
+  const std::vector<at::Tensor> xq = quantize_activations(x);
   const Activations a{xq[0].data_ptr<int8_t>(), xq[1].data_ptr<float>(), xq[2].data_ptr<int32_t>(),
-                      xq[3].data_ptr<int32_t>(), K};
+                      xq[3].data_ptr<int32_t>(), K, xq[4].data_ptr<float>()};
   const Weights w{codes.data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.data_ptr()),
                   mins ? static_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
                   static_cast<int>(bits), static_cast<int>(halves), K, n};
