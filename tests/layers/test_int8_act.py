@@ -160,14 +160,15 @@ def test_every_variant_equals_the_reference_at_every_row_count(kind):
 @pytest.mark.parametrize("kind", KINDS_TESTED)
 def test_many_rows_cross_panels_and_spans_as_the_reference(kind):
     """From 32 rows the kernels block the product (int8_act.h: panels of 32 tiles, spans of 8
-    blocks; int6 unpacks each panel's span once): 38 tiles and 10 blocks cross both."""
+    blocks; int6 unpacks each panel's span once): 38 tiles and 10 blocks cross both. AVX2's int4
+    takes 4 rows a call up to 512 rows, 2 above."""
     torch.manual_seed(8)
     n, k = 600, 320
     codes = random_codes(kind, n, k)
-    x = torch.randn(100, k) * 3
+    x = torch.randn(513, k) * 3
     want = product(x, codes, "reference", kind)
     for variant in variants():
-        for rows in (31, 32, 33, 100):
+        for rows in (31, 32, 33, 100, 512, 513):
             got = product(x[:rows], codes, variant, kind)
             assert torch.equal(got, want[:rows]), (variant, rows)
 

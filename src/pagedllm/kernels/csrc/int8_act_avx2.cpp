@@ -214,22 +214,30 @@ struct RowsTile {
   const Weights& w;
   float* y;
   int64_t ldy;
+  bool int4_rows = false;  // int4 at 2 rows or more through rows_tile_int4
   void panel(int64_t, int64_t, Span) const {}
   template <int R, int NT>
   void operator()(int64_t m, int64_t t, Span span) const {
     static_assert(NT == 1, "one tile at a time (16 registers)");
-    if constexpr (kBits == 4 && R > 1)
-      rows_tile_int4<R>(x, m, w, t, span, y, ldy);
-    else
-      rows_tile<R, kBits, kHalves, kMins>(x, m, w, t, span, y, ldy);
+    if constexpr (kBits == 4 && R > 1) {
+      if (int4_rows) return rows_tile_int4<R>(x, m, w, t, span, y, ldy);
+    }
+    rows_tile<R, kBits, kHalves, kMins>(x, m, w, t, span, y, ldy);
   }
 };
 
+// rows_tile_int4 up to this many rows (decode batches and shorter prompt chunks): at 2048 rows it
+// measured 9-15% slower than rows_tile's two rows (docs/performance.md, I14).
+constexpr int64_t kInt4RowsUpTo = 512;
+
 template <int kBits, int kHalves, bool kMins>
 void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  // int4: up to kInt4Rows rows a call, the last few in one call; the others 2, then 1 at a time
-  constexpr bool kInt4 = kBits == 4;
-  walk_tiles<kInt4 ? kInt4Rows : 2, 1, kInt4>(M, w, t0, t1, RowsTile<kBits, kHalves, kMins>{x, w, y, ldy});
+  using Rows = RowsTile<kBits, kHalves, kMins>;
+  if constexpr (kBits == 4) {
+    if (M <= kInt4RowsUpTo)  // up to kInt4Rows rows a call, the last few in one call
+      return walk_tiles<kInt4Rows, 1, true>(M, w, t0, t1, Rows{x, w, y, ldy, true});
+  }
+  walk_tiles<2, 1>(M, w, t0, t1, Rows{x, w, y, ldy});
 }
 
 }  // namespace
