@@ -146,7 +146,8 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
 // 15 * 127, and a block puts 8 such pairs into a lane (16 * 15 * 127 = 30480 < 32768); one
 // vpmaddwd by ones per block widens them to 32 bits, exact. One row (decode) keeps rows_tile,
 // which reads each of the tile's cache lines once. 8-15% faster than rows_tile's two rows at 8
-// to 512 rows on a Zen 3 (docs/performance.md, I14).
+// to 512 rows in a best-of-5 loop on a Zen 3; end to end within that machine's noise
+// (docs/performance.md, I14).
 template <int R>
 inline void rows_tile_int4(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
                            int64_t ldy) {
