@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in cases
         if name.startswith("int8_act")
     }
-    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8"})
+    isa = {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8"}
+    flags = sorted(cpu_flags() & isa)
     held = ", ".join(
         f"{k}: {code_bytes[f'int8_act {variants[0]}{label(k)}'] / 2**20:.1f}" for k in kinds
     )

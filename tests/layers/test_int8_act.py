@@ -97,6 +97,8 @@ def test_the_reference_is_always_there_and_the_cpu_variants_are_built():
         assert "avx512_vnni" in names
     if {"avx2", "f16c", "fma"} <= flags:
         assert "avx2" in names
+    if {"avx_vnni", "avx2", "f16c", "fma"} <= flags:
+        assert "avx_vnni" in names
 
 
 def test_activation_quantization_is_q8_0s_rule_and_independent_of_the_batch():

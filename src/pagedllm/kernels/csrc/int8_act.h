@@ -1,5 +1,6 @@
 // Integer products of quantized weights with 8-bit activations (int8_act_linear.cpp), shared by
-// the instruction-set files (int8_act_avx512_vnni.cpp, int8_act_avx2.cpp) and the reference.
+// the instruction-set files (int8_act_avx512_vnni.cpp, int8_act_avx2.cpp: AVX2 and AVX-VNNI)
+// and the reference.
 //
 // Activations: each row of x, per block of 32 columns, as Q8_0 does: d = max|x| / 127,
 // q = round-to-nearest-even(x * (1 / d)) in -127..127, and the block's sum of q. A row's codes
@@ -81,6 +82,11 @@ void tiles_avx512_vnni(const Activations& x, int64_t M, const Weights& w, int64_
 #define PAGEDLLM_INT8_ACT_AVX2 1
 void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
                 int64_t ldy);
+#if defined(__AVXVNNI__)
+#define PAGEDLLM_INT8_ACT_AVX_VNNI 1
+void tiles_avx_vnni(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                    int64_t ldy);
+#endif
 #endif
 
 // Which blocks of columns a call of a variant's tile kernel covers, and whether it starts the

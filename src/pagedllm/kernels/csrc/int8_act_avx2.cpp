@@ -3,6 +3,10 @@
 // as two halves. int8 codes are made signed again and their signs moved onto the activations
 // (|q| * sign(x, q)), so no pair can saturate 16 bits: 2 * 128 * 127 < 32768. int4's pairs are
 // small enough to add up a whole block in 16 bits before widening (rows_tile_int4).
+//
+// The same loops with AVX-VNNI (kVnni: Intel's client cores since Alder Lake, Zen 5; 256-bit
+// registers, no AVX-512): vpdpbusd adds the four products of a lane to 32 bits in one
+// instruction, exact, with nothing held in 16 bits.
 
 #include "int8_act.h"
 
@@ -24,6 +28,26 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// acc + the products of unsigned a0, a1 and signed b0, b1, four to a 32-bit lane, exact: vpdpbusd,
+// or each chunk's pairs (at most 2 * 63 * 127: int4's and int6's codes) added in 16 bits.
+template <bool kVnni>
+inline __m256i add_dot8(__m256i acc, __m256i a0, __m256i b0, __m256i a1, __m256i b1) {
+#ifdef PAGEDLLM_INT8_ACT_AVX_VNNI
+  if constexpr (kVnni) return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, a0, b0), a1, b1);
+#endif
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a0, b0), _mm256_maddubs_epi16(a1, b1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+// The same for one chunk of a <= 128 (each pair at most 2 * 128 * 127).
+template <bool kVnni>
+inline __m256i add_dot4(__m256i acc, __m256i a, __m256i b) {
+#ifdef PAGEDLLM_INT8_ACT_AVX_VNNI
+  if constexpr (kVnni) return _mm256_dpbusd_avx_epi32(acc, a, b);
+#endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+
 // int6's codes u = q + 32 for half g of a block in chunk j's layout, for 8 of the tile's rows
 // (h): the nibble and its pair of high bits moved to bits 4-5 (int8_act_avx512_vnni.cpp).
 inline __m256i int6_codes(const uint8_t* cb, int g, int j, int h) {
@@ -38,7 +62,7 @@ inline __m256i int6_codes(const uint8_t* cb, int g, int j, int h) {
 }
 
 // kHalves: scales per block (2: int8x, int6); kMins: int4, and int8x or int6 with a min not 0.
-template <int R, int kBits, int kHalves, bool kMins>
+template <bool kVnni, int R, int kBits, int kHalves, bool kMins>
 inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
                       int64_t ldy) {
   const int64_t blocks = w.blocks(), K = w.K;
@@ -46,7 +70,7 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
   const uint16_t* scales = w.scales + t * blocks * kHalves * kTile;
   const uint16_t* mins = kMins ? w.mins + t * blocks * kTile : nullptr;
   constexpr int64_t kBlockBytes = kBlock * kTile * kBits / 8;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const int64_t live = std::min<int64_t>(kTile, w.N - t * kTile);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
@@ -73,10 +97,7 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             for (int r = 0; r < R; ++r) {
               const int8_t* xb = x.q + (m + r) * K + b * kBlock;
-              // Each pair is at most 2 * 15 * 127: two chunks' pairs add in 16 bits.
-              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)),
-                                                 _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * j)));
-              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+              isum[r][h] = add_dot8<kVnni>(isum[r][h], lo, broadcast4(xb + 4 * j), hi, broadcast4(xb + 16 + 4 * j));
             }
           }
         } else if constexpr (kBits == 6) {
@@ -85,10 +106,7 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
             const __m256i c0 = int6_codes(cb, g, j, h), c1 = int6_codes(cb, g, j + 1, h);
             for (int r = 0; r < R; ++r) {
               const int8_t* xb = x.q + (m + r) * K + b * kBlock + 16 * g;
-              // Each pair is at most 2 * 63 * 127: two chunks' pairs add in 16 bits.
-              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(xb + 4 * j)),
-                                                 _mm256_maddubs_epi16(c1, broadcast4(xb + 4 * j + 4)));
-              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+              isum[r][h] = add_dot8<kVnni>(isum[r][h], c0, broadcast4(xb + 4 * j), c1, broadcast4(xb + 4 * j + 4));
             }
           }
           for (int r = 0; r < R; ++r)  // the codes carry +32: take back 32 * sum(x)
@@ -102,7 +120,7 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
             const __m256i a = _mm256_abs_epi8(q);
             for (int r = 0; r < R; ++r) {
               const __m256i xs = _mm256_sign_epi8(broadcast4(x.q + (m + r) * K + b * kBlock + 4 * j), q);
-              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones));
+              isum[r][h] = add_dot4<kVnni>(isum[r][h], a, xs);
             }
           }
         }
@@ -148,7 +166,7 @@ inline void rows_tile(const Activations& x, int64_t m, const Weights& w, int64_t
 // which reads each of the tile's cache lines once. 8-15% faster than rows_tile's two rows at 8
 // to 512 rows in a best-of-5 loop on a Zen 3; end to end within that machine's noise
 // (docs/performance.md, I14).
-template <int R>
+template <bool kVnni, int R>
 inline void rows_tile_int4(const Activations& x, int64_t m, const Weights& w, int64_t t, Span span, float* y,
                            int64_t ldy) {
   const int64_t blocks = w.blocks(), K = w.K;
@@ -174,7 +192,7 @@ inline void rows_tile_int4(const Activations& x, int64_t m, const Weights& w, in
     for (int64_t b = span.b0; b < span.b1; ++b) {
       const uint8_t* cb = codes + b * 256 + h * 32;
       const int8_t* xb = x.q + m * K + b * kBlock;
-      __m256i isum[R];  // 16-bit sums of pairs
+      __m256i isum[R];  // 16-bit sums of pairs (32-bit sums of fours with VNNI)
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
       for (int j = 0; j < 4; ++j) {
@@ -183,15 +201,20 @@ inline void rows_tile_int4(const Activations& x, int64_t m, const Weights& w, in
         const __m256i lo = _mm256_and_si256(v, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         for (int r = 0; r < R; ++r) {
-          isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, broadcast4(xb + r * K + 4 * j)));
-          isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, broadcast4(xb + r * K + 16 + 4 * j)));
+          const __m256i x0 = broadcast4(xb + r * K + 4 * j), x1 = broadcast4(xb + r * K + 16 + 4 * j);
+          if constexpr (kVnni) {
+            isum[r] = add_dot8<true>(isum[r], lo, x0, hi, x1);
+          } else {
+            isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, x0));
+            isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, x1));
+          }
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kTile + 8 * h)));
       const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kTile + 8 * h)));
       for (int r = 0; r < R; ++r) {
         const float xd = x.d[(m + r) * blocks + b];
-        const __m256i s32 = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+        const __m256i s32 = kVnni ? isum[r] : _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[r]);
         acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.dsum[(m + r) * blocks + b]), acc[r]);
       }
@@ -209,7 +232,7 @@ inline void rows_tile_int4(const Activations& x, int64_t m, const Weights& w, in
   }
 }
 
-template <int kBits, int kHalves, bool kMins>
+template <bool kVnni, int kBits, int kHalves, bool kMins>
 struct RowsTile {
   const Activations& x;
   const Weights& w;
@@ -221,9 +244,9 @@ struct RowsTile {
   void operator()(int64_t m, int64_t t, Span span) const {
     static_assert(NT == 1, "one tile at a time (16 registers)");
     if constexpr (kBits == 4 && R > 1) {
-      if (int4_rows) return rows_tile_int4<R>(x, m, w, t, span, y, ldy);
+      if (int4_rows) return rows_tile_int4<kVnni, R>(x, m, w, t, span, y, ldy);
     }
-    rows_tile<R, kBits, kHalves, kMins>(x, m, w, t, span, y, ldy);
+    rows_tile<kVnni, R, kBits, kHalves, kMins>(x, m, w, t, span, y, ldy);
   }
 };
 
@@ -231,9 +254,9 @@ struct RowsTile {
 // measured 9-15% slower than rows_tile's two rows (docs/performance.md, I14).
 constexpr int64_t kInt4RowsUpTo = 512;
 
-template <int kBits, int kHalves, bool kMins>
+template <bool kVnni, int kBits, int kHalves, bool kMins>
 void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  using Rows = RowsTile<kBits, kHalves, kMins>;
+  using Rows = RowsTile<kVnni, kBits, kHalves, kMins>;
   if constexpr (kBits == 4) {
     if (M <= kInt4RowsUpTo)  // up to kInt4Rows rows a call, the last few in one call
       return walk_tiles<kInt4Rows, 1, true>(M, w, t0, t1, Rows{x, w, y, ldy, true});
@@ -241,19 +264,32 @@ void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_
   walk_tiles<2, 1>(M, w, t0, t1, Rows{x, w, y, ldy});
 }
 
+template <bool kVnni>
+void tiles_of_kind(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                   int64_t ldy) {
+  if (w.bits == 4)
+    tiles<kVnni, 4, 1, true>(x, M, w, t0, t1, y, ldy);
+  else if (w.bits == 6)
+    w.mins ? tiles<kVnni, 6, 2, true>(x, M, w, t0, t1, y, ldy) : tiles<kVnni, 6, 2, false>(x, M, w, t0, t1, y, ldy);
+  else if (w.halves == 2)
+    w.mins ? tiles<kVnni, 8, 2, true>(x, M, w, t0, t1, y, ldy) : tiles<kVnni, 8, 2, false>(x, M, w, t0, t1, y, ldy);
+  else
+    tiles<kVnni, 8, 1, false>(x, M, w, t0, t1, y, ldy);
+}
+
 }  // namespace
 
 void tiles_avx2(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
                 int64_t ldy) {
-  if (w.bits == 4)
-    tiles<4, 1, true>(x, M, w, t0, t1, y, ldy);
-  else if (w.bits == 6)
-    w.mins ? tiles<6, 2, true>(x, M, w, t0, t1, y, ldy) : tiles<6, 2, false>(x, M, w, t0, t1, y, ldy);
-  else if (w.halves == 2)
-    w.mins ? tiles<8, 2, true>(x, M, w, t0, t1, y, ldy) : tiles<8, 2, false>(x, M, w, t0, t1, y, ldy);
-  else
-    tiles<8, 1, false>(x, M, w, t0, t1, y, ldy);
+  tiles_of_kind<false>(x, M, w, t0, t1, y, ldy);
 }
+
+#ifdef PAGEDLLM_INT8_ACT_AVX_VNNI
+void tiles_avx_vnni(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y,
+                    int64_t ldy) {
+  tiles_of_kind<true>(x, M, w, t0, t1, y, ldy);
+}
+#endif
 
 }  // namespace int8_act
 }  // namespace pagedllm

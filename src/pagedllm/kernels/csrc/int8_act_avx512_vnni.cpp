@@ -1,5 +1,5 @@
 // int8_act.h's tiles with AVX512-VNNI: vpdpbusd sums four unsigned-code x signed-activation
-// products into each 32-bit lane, one lane per output row of a tile. Zen 4 and Intel
+// products into each 32-bit lane, one lane per output row of a tile. Zen 4 and 5 and Intel
 // Ice Lake / Sapphire Rapids and later have it.
 
 #include "int8_act.h"
@@ -211,6 +211,9 @@ struct RowsTile<6, 2, kMins> {
 
 template <int kBits, int kHalves, bool kMins>
 void tiles(const Activations& x, int64_t M, const Weights& w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  // One row (decode) one tile at a time: one stream of codes; two tiles' interleaved streams
+  // read 5-20% slower on a Zen 5 (docs/performance.md, I15).
+  if (M == 1) return walk_tiles<1, 1>(M, w, t0, t1, RowsTile<kBits, kHalves, kMins>{x, w, y, ldy});
   walk_tiles<4, 2>(M, w, t0, t1, RowsTile<kBits, kHalves, kMins>{x, w, y, ldy});
 }
 

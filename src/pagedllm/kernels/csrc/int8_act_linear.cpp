@@ -112,6 +112,9 @@ const std::vector<Variant>& variants() {
 #ifdef PAGEDLLM_INT8_ACT_VNNI512
       {"avx512_vnni", tiles_avx512_vnni},
 #endif
+#ifdef PAGEDLLM_INT8_ACT_AVX_VNNI
+      {"avx_vnni", tiles_avx_vnni},
+#endif
 #ifdef PAGEDLLM_INT8_ACT_AVX2
       {"avx2", tiles_avx2},
 #endif

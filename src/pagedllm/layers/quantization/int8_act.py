@@ -4,9 +4,9 @@ for a quantized GGUF on CPU, `--dtype auto`), as llama.cpp does.
 Each call quantizes its input per row and block of 32 columns (Q8_0's rule), multiplies the
 codes in int32 and applies the block scales in one fixed order per output
 (kernels/csrc/int8_act.h): a row's result does not depend on the rest of the batch, on the
-variant the CPU runs (AVX512-VNNI, AVX2 or the plain reference) or on the row count. The codes
-are written at load straight into the kernels' layout (tiles of 16 output rows, 4 bytes a row at
-a time: a permutation of the file's bytes) and nothing else is kept: no float copy, nothing
+variant the CPU runs (AVX512-VNNI, AVX-VNNI, AVX2 or the plain reference) or on the row count.
+The codes are written at load straight into the kernels' layout (tiles of 16 output rows, 4 bytes
+a row at a time: a permutation of the file's bytes) and nothing else is kept: no float copy, nothing
 prepared per batch shape.
 """
 
