@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 
 from tests.distributed.netns import two_hosts
 from tests.server_process import free_port, start_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 240
@@ -124,11 +124,13 @@ def test_a_dropped_link_fails_the_step_and_the_group_comes_back():
                     pieces.append(json.loads(line[6:])["choices"][0]["text"])
                     if len(pieces) == 8:  # mid-request: the link goes, then comes back
                         hosts.set_link(False)
-                        deadline = time.time() + 60
-                        while 503 not in statuses:  # the step failed: the engine restarts
-                            assert time.time() < deadline, "".join(lines)
-                            statuses.add(httpx.get(f"{url}/health", timeout=5).status_code)
-                            time.sleep(0.2)
+
+                        def unhealthy() -> bool:  # the step failed: the engine restarts
+                            statuses.add(httpx.get(f"{url}/health", timeout=30).status_code)
+                            return 503 in statuses
+
+                        wait_until(unhealthy, lambda: "".join(lines), interval=0.2,
+                                   tolerate=(httpx.TimeoutException,))  # fmt: skip
                         hosts.set_link(True)
             assert "".join(pieces) == expected
             assert httpx.get(f"{url}/health", timeout=5).status_code == 200

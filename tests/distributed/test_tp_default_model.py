@@ -17,6 +17,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.server_process import free_port, start_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 180
@@ -112,11 +113,13 @@ def test_a_dead_worker_without_the_engine_process_is_reported():
     try:
         (worker,) = _workers(proc.pid)
         os.kill(worker, signal.SIGKILL)
-        deadline = time.time() + 30
-        while httpx.get(f"{url}/health", timeout=5).status_code == 200:
-            assert time.time() < deadline, "".join(lines)
-            time.sleep(0.2)
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        wait_until(
+            lambda: httpx.get(f"{url}/health", timeout=30).status_code != 200,
+            lambda: "".join(lines),
+            interval=0.2,
+            tolerate=(httpx.TimeoutException,),
+        )
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 503
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code >= 500 and "worker rank 1 exited" in r.text
     finally:

@@ -5,16 +5,24 @@ ids; clear errors; a dead worker stops the engine; shutdown leaves no process.""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import tp_group
+from pagedllm.distributed.process_group import RankExited
+from pagedllm.executor import multiproc
 from tests.conftest import save_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPTS = [[5, 9, 3], [17, 4, 88, 23, 6, 70, 11, 42, 9, 1, 66], [100], list(range(10, 40))]
 ENGINE = dict(dtype="float32", kv_cache_memory="8MiB")
@@ -136,3 +144,48 @@ def test_a_group_that_cannot_connect_names_what_to_check(checkpoint, monkeypatch
         with pytest.raises(RuntimeError, match="could not connect rank 0 of 2.*MASTER_PORT"):
             LLM(model=checkpoint, tensor_parallel_size=2, **ENGINE)
     assert tp_group().size == 1
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(checkpoint, monkeypatch):
+    """Rank 0 watches the ranks it started while it waits for them to connect: one that exits
+    first fails the start with its exit status (not after the connection timeout, 120 s)."""
+    started = []
+
+    def spawn_dying(config, ranks, address):
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=os._exit, args=(3,), daemon=True) for _ in ranks]
+        for p in procs:
+            p.start()
+        started.extend(procs)
+        return procs
+
+    monkeypatch.setattr(multiproc, "spawn_ranks", spawn_dying)
+    with pytest.raises(RankExited, match=r"rank 1 exited \(code 3\) before joining the group"):
+        LLM(model=checkpoint, tensor_parallel_size=2, **ENGINE)
+    assert started and not any(p.is_alive() for p in started)
+    assert tp_group().size == 1
+
+
+SCRIPT = """
+from pagedllm import LLM, SamplingParams
+llm = LLM(model={checkpoint!r}, tensor_parallel_size=2, dtype="float32", kv_cache_memory="8MiB")
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+out = llm.generate([{{"prompt_token_ids": [5, 9, 3]}}], params, use_tqdm=False)
+print("tokens", list(out[0].outputs[0].token_ids))
+llm.shutdown()
+"""
+
+
+def test_a_script_read_from_standard_input_starts_its_ranks(checkpoint):
+    """`python - <<EOF`: the spawned rank has no main script to run again (multiprocessing's
+    spawn re-runs it from its file), and needs none."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    single = LLM(model=checkpoint, **ENGINE)
+    want = list(single.generate([{"prompt_token_ids": [5, 9, 3]}], params, use_tqdm=False)[0]
+                .outputs[0].token_ids)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    script = SCRIPT.format(checkpoint=checkpoint)
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"tokens {want}" in done.stdout

@@ -8,6 +8,7 @@ from pagedllm import EngineArgs, SamplingParams
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from tests.conftest import save_tiny_llama
+from tests.waiting import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 3, 17, 4], list(range(40, 60)), [100, 7, 33]]
@@ -127,10 +128,8 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
             )
         outputs = asyncio.run(collect(aengine, PROMPTS[1], "after"))
         assert outputs[-1].finished and aengine.dead_error is None
-        deadline = time.time() + 10
-        while not idle_and_clean(aengine.engine) and time.time() < deadline:
-            time.sleep(0.05)
-        assert idle_and_clean(aengine.engine)  # "good" was aborted, its blocks freed
+        # "good" was aborted, its blocks freed
+        wait_until(lambda: idle_and_clean(aengine.engine), "an idle engine, every block free")
         assert "good" not in aengine._streams
     finally:
         aengine.shutdown()

@@ -8,7 +8,6 @@ refuses generation, each saying how to start the other."""
 from __future__ import annotations
 
 import base64
-import time
 
 import httpx
 import numpy as np
@@ -21,6 +20,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from tests.conftest import save_tiny_llama
+from tests.waiting import wait_until
 
 TEXTS = ["The capital of France is", "Paged attention keeps the KV cache in blocks.", "hi"]
 
@@ -130,13 +130,12 @@ def test_disconnect_aborts_and_frees_blocks(served, caplog):
     with caplog.at_level("INFO", logger="pagedllm"):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
             httpx.post(f"{url}/v1/embeddings", json={"input": inputs}, timeout=0.02)
-        deadline = time.time() + 30
-        while "request aborted" not in caplog.text:
-            assert time.time() < deadline
-            time.sleep(0.02)
-    while engine.has_unfinished_requests() or engine.get_stats()["kv_cache_usage"]:
-        assert time.time() < deadline, engine.get_stats()
-        time.sleep(0.02)
+        wait_until(lambda: "request aborted" in caplog.text, "the abort's log line", interval=0.02)
+
+    def idle() -> bool:
+        return not (engine.has_unfinished_requests() or engine.get_stats()["kv_cache_usage"])
+
+    wait_until(idle, engine.get_stats, interval=0.02)
 
 
 def _metrics(url: str) -> dict[str, float]:

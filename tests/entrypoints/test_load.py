@@ -29,6 +29,7 @@ from pagedllm.engine.diagnostics import rss_bytes
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.procs import child_pids
 from tests.model_loader.tiny_gguf import gpt2_vocab, random_hf_weights, write_tiny_llama
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 MAX_TOKENS = 12
@@ -437,10 +438,8 @@ def test_sigterm_with_48_streams_open(tiny_gguf):
     assert len(ready) == 3 and 200 not in ready  # no new request is routed to a draining server
     # The engine process is gone at exit; multiprocessing's resource tracker follows its
     # parent's exit within moments.
-    deadline = time.monotonic() + 5
-    while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(not os.path.exists(f"/proc/{pid}") for pid in children)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in children),
+               lambda: f"children {children} to exit")  # fmt: skip
     print(f"SIGTERM: {num} streams open, {completed} completed, {cut} ended with a 503 event, "
           f"exit 0 after {exit_s:.1f} s (grace {grace} s), {len(children)} children, /ready "
           f"during the drain: {ready}")  # fmt: skip

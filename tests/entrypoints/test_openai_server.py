@@ -16,6 +16,7 @@ import pytest
 
 from pagedllm.bench.utils import free_port
 from pagedllm.model_loader.loader import load_tokenizer, resolve_model
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -115,9 +116,8 @@ def tokenizer():
 
 def test_stats_log_line(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
-    deadline = time.time() + 5  # the fixture's server logs every second while busy
-    while "Avg generation throughput:" not in server.log and time.time() < deadline:
-        time.sleep(0.1)
+    # The fixture's server logs every second while busy.
+    wait_until(lambda: "Avg generation throughput:" in server.log, "the stats log line")
     line = next(x for x in server.lines if "Avg generation throughput:" in x)
     assert "Running:" in line and "KV cache usage:" in line and "Prefix cache hit rate:" in line
 
@@ -530,9 +530,8 @@ def _check_waiting_queue_bound(server, client):
         next(iter(running))
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(client.completions.create, **{**long, "max_tokens": 4})
-            deadline = time.time() + 10
-            while server.metrics()["pagedllm:num_requests_waiting"] < 1 < deadline - time.time():
-                time.sleep(0.05)
+            wait_until(lambda: server.metrics()["pagedllm:num_requests_waiting"] >= 1,
+                       "a waiting request")  # fmt: skip
             with pytest.raises(openai.InternalServerError) as refused:
                 client.completions.create(**{**long, "max_tokens": 4})
             assert refused.value.status_code == 503 and "overloaded" in str(refused.value)
@@ -556,13 +555,11 @@ def _check_disconnect_while_queued(server, client):
         )
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(head.encode() + body)
-            deadline = time.time() + 10
-            while server.metrics()["pagedllm:num_requests_waiting"] < 1 < deadline - time.time():
-                time.sleep(0.05)
+            wait_until(lambda: server.metrics()["pagedllm:num_requests_waiting"] >= 1,
+                       "a waiting request")  # fmt: skip
             assert server.metrics()["pagedllm:num_requests_waiting"] == 1
-        deadline = time.time() + 5
-        while server.metrics()["pagedllm:num_requests_waiting"] > 0 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: server.metrics()["pagedllm:num_requests_waiting"] == 0,
+                   "no waiting request")  # fmt: skip
         m = server.metrics()
         assert m["pagedllm:num_requests_waiting"] == 0  # aborted while still queued
         assert m["pagedllm:num_requests_running"] == 1  # the long request runs on

@@ -7,7 +7,6 @@ unharmed, bad adapters refused with nothing leaked, and lora_requests_info on /m
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from tests.conftest import save_tiny_llama
 from tests.lora.conftest import ALL, hf_greedy, make_adapter
+from tests.waiting import wait_until
 
 KEY = "secret"
 PROMPT = [11, 12, 13, 14, 15]
@@ -170,11 +170,8 @@ def test_unload_while_streaming_finishes_them(server, setup):
 
     texts = asyncio.run(run())
     assert texts == [undisturbed] * 8
-    deadline = time.time() + 10
     kv = engine.engine.scheduler.kv_cache_manager
-    while kv.num_free_blocks != engine.engine.num_blocks and time.time() < deadline:
-        time.sleep(0.05)
-    assert kv.num_free_blocks == engine.engine.num_blocks
+    wait_until(lambda: kv.num_free_blocks == engine.engine.num_blocks, "every block freed")
 
 
 def test_lora_requests_info_on_metrics(server):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -17,6 +19,11 @@ from pagedllm.distributed.parallel import set_cpu_group, set_tp_group
 # A worker waits in a broadcast for rank 0's next step, however long the server stays idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
+JOINED = "pagedllm/joined"  # the store's count of ranks > 0 connected to it
+
+
+class RankExited(RuntimeError):
+    """A rank this process started exited before the group formed."""
 
 
 def group_address(parallel: ParallelConfig) -> tuple[str, int]:
@@ -40,12 +47,18 @@ def launched_rank() -> int | None:
 
 
 def init_process_group(
-    rank: int, parallel: ParallelConfig, address: tuple[str, int] | None, device
+    rank: int,
+    parallel: ParallelConfig,
+    address: tuple[str, int] | None,
+    device,
+    dead: Callable[[], str | None] | None = None,
 ) -> None:
     """Join the group as `rank` (every rank calls this; it returns once all have): at
     `address`, or where the launcher's environment says (None). Connecting waits
-    CONNECT_TIMEOUT. The model's collectives run on the default group, whose operations fail
-    after --distributed-timeout (a lost peer fails the step); the step messages and start-up
+    CONNECT_TIMEOUT; rank 0 meanwhile asks `dead` (why a rank it started has exited, or None),
+    so that a rank that dies before joining fails the start at once, not after the timeout.
+    The model's collectives run on the default group, whose operations fail after
+    --distributed-timeout (a lost peer fails the step); the step messages and start-up
     agreements on a gloo group of their own (cpu_group), which waits as long as rank 0 stays
     idle."""
     size = parallel.tensor_parallel_size
@@ -56,11 +69,18 @@ def init_process_group(
         if address is None:  # torchrun's rendezvous (its agent's store)
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
-            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=CONNECT_TIMEOUT)
+            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=CONNECT_TIMEOUT,
+                                  wait_for_workers=False)  # fmt: skip
+            if rank == 0:
+                _wait_for_ranks(store, size, dead)
+            else:
+                store.add(JOINED, 1)
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=size, timeout=timeout
             )
         set_cpu_group(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+    except RankExited:
+        raise
     except Exception as e:  # noqa: BLE001 - name what to check, keep torch's message
         raise RuntimeError(
             f"tensor parallelism: torch.distributed ({backend}) could not connect rank {rank} of "
@@ -69,6 +89,19 @@ def init_process_group(
             f"the {backend} backend works here"
         ) from e
     set_tp_group(rank, size)
+
+
+def _wait_for_ranks(store: dist.TCPStore, size: int, dead) -> None:
+    """Rank 0: until every other rank has connected to the store, or one it started exited."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+    while (joined := store.add(JOINED, 0)) < size - 1:
+        why = dead() if dead is not None else None
+        if why:
+            message = f"tensor parallelism: {why} before joining the group (its error is above)"
+            raise RankExited(message)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{joined} of {size - 1} other ranks joined in {CONNECT_TIMEOUT}")
+        time.sleep(0.02)
 
 
 def leave_group() -> None:

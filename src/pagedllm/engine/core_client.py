@@ -172,7 +172,7 @@ class EngineCoreClient:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._tracked[request_id] = tracked
             if self._state == "running":
-                self._sendadd_counter(tracked)
+                self._send_add(tracked)
         try:
             async for output in stream.outputs():
                 yield output
@@ -235,7 +235,7 @@ class EngineCoreClient:
                     return False
                 time.sleep(0.001)  # a process that just started: its connection is under way
 
-    def _sendadd_counter(self, t: TrackedRequest) -> None:
+    def _send_add(self, t: TrackedRequest) -> None:
         resumed = t.resumed_output()
         resumed = channel.pack(resumed) if resumed is not None else None
         t.sent = self._send(channel.Add(t.request_id, t.arrival_time, t.payload, resumed))
@@ -259,7 +259,7 @@ class EngineCoreClient:
                 if probation_running:
                     continue
                 probation_running = True
-            self._sendadd_counter(t)
+            self._send_add(t)
 
     def _call(self, method: str, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()

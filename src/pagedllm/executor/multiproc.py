@@ -11,9 +11,11 @@ and a collective with a dead peer fails.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 
 import torch
@@ -68,6 +70,24 @@ def run_worker(
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _main_script_left_behind():
+    """A spawned process first runs the main script again from its file; a script read from
+    standard input (`python - <<EOF`) has none, so its ranks would die at once. They need
+    nothing from it (their target and arguments are pagedllm's): while they start, its name is
+    hidden, as for an interactive interpreter's."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.exists(path) or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def spawn_ranks(config: EngineConfig, ranks, address: tuple[str, int]) -> list[mp.Process]:
     """Start `ranks` as processes of this host that do not outlive this one."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
@@ -76,8 +96,9 @@ def spawn_ranks(config: EngineConfig, ranks, address: tuple[str, int]) -> list[m
                     name=f"pagedllm-tp{rank}", daemon=True)
         for rank in ranks
     ]  # fmt: skip
-    for p in procs:
-        p.start()
+    with _main_script_left_behind():
+        for p in procs:
+            p.start()
     return procs
 
 
@@ -115,7 +136,7 @@ class MultiprocExecutor(Executor):
         try:
             self.driver_worker = Worker(config, 0)
             self.driver_worker.init_device()
-            init_process_group(0, config.parallel, address, self.driver_worker.device)
+            init_process_group(0, config.parallel, address, self.driver_worker.device, self.dead)
             logger.info("tensor parallelism: %d ranks", size)
             _start(self.driver_worker)
         except BaseException:
