@@ -115,6 +115,7 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
     goes on serving. Before, the RuntimeError from the closed loop stopped the engine loop."""
     import time
 
+    from pagedllm.engine.core_request import EngineCoreRequest
     from pagedllm.engine.streams import RequestStream
 
     aengine = AsyncLLMEngine(make_engine(tiny, max_model_len=32))
@@ -123,9 +124,8 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
         closed.close()
         for request_id, prompt in (("bad", list(range(3, 40))), ("good", PROMPTS[0])):
             aengine._streams[request_id] = RequestStream(request_id, aengine.abort, loop=closed)
-            aengine._commands.put(
-                ("add", request_id, prompt, GREEDY, time.time(), False, None, None, 0, None)
-            )
+            core = EngineCoreRequest.of(request_id, prompt, GREEDY, time.time())
+            aengine._commands.put(("add", core, False, None))
         outputs = asyncio.run(collect(aengine, PROMPTS[1], "after"))
         assert outputs[-1].finished and aengine.dead_error is None
         # "good" was aborted, its blocks freed

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,
@@ -125,20 +126,9 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self.check_health()
             raise EngineDeadError("the server is shutting down")
-        self._commands.put(
-            (
-                "add",
-                request_id,
-                prompt,
-                params,
-                time.time(),
-                delta,
-                cache_salt,
-                lora_request,
-                priority,
-                grammar,
-            )  # fmt: skip
-        )
+        core = EngineCoreRequest.of(request_id, prompt, params, time.time(), cache_salt=cache_salt,
+                                    lora_request=lora_request, priority=priority)  # fmt: skip
+        self._commands.put(("add", core, delta, grammar))
         try:
             async for output in stream.outputs():
                 yield output
@@ -262,16 +252,13 @@ class AsyncLLMEngine:
                     except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
                         future.set_exception(e)
                 continue
-            _, request_id, prompt, params, arrival, delta, cache_salt, lora, priority, grammar = (
-                command
-            )
+            _, core, delta, grammar = command
+            request_id = core.request_id
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # its client left before the request was added
             try:
-                engine.add_request(
-                    request_id, prompt, params, arrival, delta, cache_salt, lora, priority, grammar
-                )
+                engine.add_core_request(core, delta, grammar)
             except ValueError as e:
                 stream.put(e)
             except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's

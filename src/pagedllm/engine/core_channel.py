@@ -1,8 +1,9 @@
 """The messages between the API server and its engine process (engine/core_proc.py and
 engine/core_client.py): msgpack frames over ZMQ sockets, typed with msgspec. Each direction has
-one socket (PUSH to PULL), so messages arrive in the order they were sent. The engine's own
-objects (prompts, SamplingParams, RequestOutputs) travel inside as pickles: both ends run the
-same code, and the sockets are local to the machine and the user."""
+one socket (PUSH to PULL), so messages arrive in the order they were sent. A request travels as
+its typed struct (EngineCoreRequest); the engine's outputs (RequestOutputs) and calls' arguments
+still travel inside as pickles: both ends run the same code, and the sockets are local to the
+machine and the user."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pickle
 from typing import Any
 
 import msgspec
+
+from pagedllm.engine.core_request import EngineCoreRequest
 
 # The engine process's exit status when it lost a tensor-parallel worker (not its requests'
 # fault: they are resumed without blame).
@@ -19,14 +22,10 @@ WORKER_LOST_EXIT_CODE = 70
 
 
 class Add(msgspec.Struct, tag=True):
-    """A request: `payload` pickles (prompt, params, cache_salt, lora_request, priority),
-    `resumed` its ResumedOutput when it comes back to a new engine; the engine's outputs come
-    as deltas."""
+    """A request (its `resumed` set when it comes back to a new engine); the engine's outputs
+    come as deltas."""
 
-    request_id: str
-    arrival_time: float
-    payload: bytes
-    resumed: bytes | None = None
+    request: EngineCoreRequest
 
 
 class Abort(msgspec.Struct, tag=True):

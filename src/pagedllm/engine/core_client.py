@@ -30,17 +30,19 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing as mp
-import pickle
 import signal
 import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_launch import GRAMMAR_COMPILE_TIMEOUT, EngineLaunch
 from pagedllm.engine.core_proc import Faults
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
@@ -157,15 +159,17 @@ class EngineCoreClient:
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncLLMEngine.generate."""
         self.check_health()
+        core = EngineCoreRequest.of(request_id, prompt, params, time.time(), cache_salt=cache_salt,
+                                    lora_request=lora_request, priority=priority)  # fmt: skip
         try:
-            payload = channel.pack((prompt, params, cache_salt, lora_request, priority))
-        except (RecursionError, TypeError, pickle.PicklingError) as e:
+            channel.encode(channel.Add(core))  # what cannot cross fails here, as bad input
+        except (RecursionError, TypeError, msgspec.EncodeError) as e:
             raise ValueError(
                 f"the request cannot be sent to the engine ({e}): it is nested too deeply "
-                "(Python's recursion limit) or holds what cannot be serialized"
+                "or holds what cannot be serialized"
             ) from None
         stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
-        tracked = TrackedRequest(request_id, time.time(), params, delta, payload, stream)
+        tracked = TrackedRequest(core, delta, stream)
         with self._lock:
             self.check_health()
             if request_id in self._tracked:
@@ -236,9 +240,8 @@ class EngineCoreClient:
                 time.sleep(0.001)  # a process that just started: its connection is under way
 
     def _send_add(self, t: TrackedRequest) -> None:
-        resumed = t.resumed_output()
-        resumed = channel.pack(resumed) if resumed is not None else None
-        t.sent = self._send(channel.Add(t.request_id, t.arrival_time, t.payload, resumed))
+        core = msgspec.structs.replace(t.request, resumed=t.resumed_output())
+        t.sent = self._send(channel.Add(core))
 
     def _forget(self, request_id: str) -> TrackedRequest | None:
         """Drop a request that ended or was aborted; a request on probation that ends lets the

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine import diagnostics
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.heap import trim_heap
 from pagedllm.logger import init_logger
 from pagedllm.procs import die_with_parent
-from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -186,22 +186,20 @@ class EngineCore:
                 if self._compiling.pop(request_id, None) is None:
                     engine.abort_request(request_id)
         elif isinstance(message, channel.Add):
-            resumed = channel.unpack(message.resumed) if message.resumed is not None else None
-            fields = (message.request_id, message.arrival_time,
-                      *channel.unpack(message.payload), resumed)  # fmt: skip
-            params = fields[3]
-            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            core = message.request
+            params = core.sampling_params
+            if params is not None and params.structured_outputs is not None:
                 work = self._grammar_pool.submit(engine.compile_grammar, params.structured_outputs)
                 deadline = time.monotonic() + self.grammar_timeout
-                self._compiling[message.request_id] = (work, deadline, fields)
+                self._compiling[core.request_id] = (work, deadline, core)
             else:
-                self._add(fields, None)
+                self._add(core, None)
         elif isinstance(message, channel.Call):
             self._call(message)
 
     def _add_compiled(self) -> None:
         now = time.monotonic()
-        for request_id, (work, deadline, fields) in list(self._compiling.items()):
+        for request_id, (work, deadline, core) in list(self._compiling.items()):
             if not work.done() and now < deadline:
                 continue
             del self._compiling[request_id]
@@ -216,15 +214,12 @@ class EngineCore:
                 kind = "bad_request" if isinstance(error, ValueError) else "failed"
                 self._reject(request_id, kind, str(error) if kind == "bad_request" else repr(error))
             else:
-                self._add(fields, work.result())
+                self._add(core, work.result())
 
-    def _add(self, fields: tuple, grammar) -> None:
-        request_id, arrival, prompt, params, cache_salt, lora, priority, resumed = fields
+    def _add(self, core: EngineCoreRequest, grammar) -> None:
+        request_id = core.request_id
         try:
-            self.engine.add_request(
-                request_id, prompt, params, arrival, True, cache_salt, lora, priority, grammar,
-                resumed,
-            )  # fmt: skip
+            self.engine.add_core_request(core, True, grammar)
         except ValueError as e:
             self._reject(request_id, "bad_request", str(e))
             return

@@ -9,6 +9,7 @@ import threading
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.lora_adapter import load_lora_adapter
 from pagedllm.pooling_params import PoolingParams
@@ -47,21 +48,14 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def process(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None,
-        cache_salt: str | None,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-        grammar: Grammar | None = None,
-    ) -> Request:
+    def process(self, core: EngineCoreRequest, grammar: Grammar | None = None) -> Request:
         """The request's first sequence (its group is `request.group`); ValueError if it is
         one the engine must refuse. `grammar`: its structured-output constraint compiled
         already (compile_grammar, off the engine's thread); else it is compiled here."""
         config = self.config
+        request_id, params, priority = core.request_id, core.params, core.priority
+        arrival_time, cache_salt = core.arrival_time, core.cache_salt
+        lora_request = core.lora_request
         pooling = isinstance(params, PoolingParams)
         runner = config.model.runner
         if pooling != (runner == "pooling"):
@@ -81,7 +75,7 @@ class InputProcessor:
             self._check_sequences(params.num_sequences)
         if lora_request is not None:
             self.check_lora(lora_request)
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids = self.tokenize_prompt(core.prompt)
         self._validate_prompt(token_ids, room_for_output=not pooling)
         if pooling:  # prefill-only: its placeholder SamplingParams are never read for sampling
             request = Request(

@@ -16,6 +16,7 @@ from pagedllm.core.kv_cache_interface import KVCacheInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_info import EngineDescription
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_events import KVEventPublisher
@@ -207,16 +208,26 @@ class LLMEngine(EngineDescription):
         constraint compiled already (compile_grammar), else it is compiled here. `resumed`:
         the output a lost engine had generated for it (a single-sequence request), taken as
         generated here: sampling, stop checks and the text go on after it."""
-        params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
+        core = EngineCoreRequest.of(
+            request_id, prompt, params or SamplingParams(),
+            arrival_time if arrival_time is not None else time.time(), cache_salt=cache_salt,
+            lora_request=lora_request, priority=priority, resumed=resumed,
+        )  # fmt: skip
+        return self.add_core_request(core, delta, grammar)
+
+    def add_core_request(
+        self, core: EngineCoreRequest, delta: bool = False, grammar: Grammar | None = None
+    ) -> str:
+        """Queue a request made already (what add_request makes; the async engine and the
+        engine process take theirs so); `delta` and `grammar` as in add_request."""
+        request_id = core.request_id
         if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process(
-            request_id, prompt, params, arrival_time, cache_salt, lora_request, priority, grammar
-        )
-        if resumed is not None:
-            _resume(request, resumed)
-        self.output_processor.add_request(request.group, delta, resumed)
+        request = self.input_processor.process(core, grammar)
+        if core.resumed is not None:
+            _resume(request, core.resumed)
+        self.output_processor.add_request(request.group, delta, core.resumed)
         self.scheduler.add_request(request)
         return request_id
 

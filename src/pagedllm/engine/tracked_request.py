@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.streams import RequestStream
 from pagedllm.outputs import CompletionOutput, RequestOutput, ResumedOutput
 from pagedllm.pooling_params import PoolingParams
@@ -15,11 +16,8 @@ from pagedllm.sampling_params import SamplingParams
 
 @dataclass
 class TrackedRequest:
-    request_id: str
-    arrival_time: float
-    params: SamplingParams | PoolingParams
+    request: EngineCoreRequest  # as sent to the first engine process (resumed: None)
     delta: bool
-    payload: bytes  # the Add message's: prompt, params, cache_salt, lora_request, priority
     stream: RequestStream
     sent: bool = False  # added to the current engine process
     num_faults: int = 0  # engine failures blamed on requests it was in flight for
@@ -31,6 +29,18 @@ class TrackedRequest:
     handed_out: bool = False
     first_times: tuple | None = None  # (first_scheduled_time, first_token_time)
     completions: dict[int, CompletionOutput] = field(default_factory=dict)  # whole outputs
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def params(self) -> SamplingParams | PoolingParams:
+        return self.request.params
 
     @property
     def resumable(self) -> bool:
