@@ -61,11 +61,11 @@ def served(tiny_gguf):
     aengine = make_engine(tiny_gguf)
     log: dict[str, list[str]] = {"added": [], "aborted": []}
     engine = aengine.engine
-    add, abort = engine.add_request, engine.abort_request
+    add, abort = engine.add_core_request, engine.abort_request
 
-    def recording_add(request_id, *args, **kwargs):  # these two run on the engine thread
-        add(request_id, *args, **kwargs)
-        log["added"].append(request_id)
+    def recording_add(core, *args, **kwargs):  # these two run on the engine thread
+        add(core, *args, **kwargs)
+        log["added"].append(core.request_id)
 
     def recording_abort(ids):
         for request_id in [ids] if isinstance(ids, str) else ids:
@@ -73,7 +73,7 @@ def served(tiny_gguf):
                 log["aborted"].append(request_id)
         abort(ids)
 
-    engine.add_request, engine.abort_request = recording_add, recording_abort
+    engine.add_core_request, engine.abort_request = recording_add, recording_abort
     try:
         with serve_in_thread(aengine, MODEL) as url:
             yield aengine, url, log
