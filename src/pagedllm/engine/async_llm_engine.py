@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 
 from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT, GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,
@@ -40,13 +41,6 @@ logger = logging.getLogger("pagedllm")
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError"]
 
 
-# Structured-output constraints compile on their own threads, off the engine loop (a large
-# schema would otherwise stall every request's steps), each within this many seconds: past it
-# the request is refused as bad input. llguidance's own resource limits bound the work behind.
-GRAMMAR_COMPILE_TIMEOUT = 10.0
-GRAMMAR_COMPILE_THREADS = 2
-
-
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -58,11 +52,8 @@ class AsyncLLMEngine:
         """`max_stream_backlog`: unread outputs a request's stream holds before the request is
         aborted (0: no bound; engine/streams.py)."""
         self.engine = engine
-        self.grammar_compile_timeout = grammar_compile_timeout
         self.max_stream_backlog = max_stream_backlog
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
-            GRAMMAR_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar"
-        )
+        self._grammars = GrammarCompiler(engine.compile_grammar, grammar_compile_timeout)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self.dead_error: BaseException | None = None
@@ -117,7 +108,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            grammar = await self._compile_grammar(params.structured_outputs)
+            grammar = await self._grammars.compile(params.structured_outputs)
         stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
         self._streams[request_id] = stream
         # The loop may have died (or been stopped) between the check above and registering the
@@ -137,21 +128,6 @@ class AsyncLLMEngine:
             if not stream.ended:  # the caller left early: free what the engine holds
                 self.abort(request_id)
 
-    async def _compile_grammar(self, structured_outputs):
-        """The constraint compiled on a compile thread; ValueError (bad input) if it does not
-        compile, or not within grammar_compile_timeout (queueing for a thread included)."""
-        loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(
-            self._grammar_pool, self.engine.compile_grammar, structured_outputs
-        )
-        try:
-            return await asyncio.wait_for(work, self.grammar_compile_timeout)
-        except TimeoutError:
-            raise ValueError(
-                f"the structured-output constraint did not compile within "
-                f"{self.grammar_compile_timeout:g} s: simplify the schema or grammar"
-            ) from None
-
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -170,7 +146,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(("stop",))
         self._loop_done.wait(timeout)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammars.shutdown()
 
     # -- the loop (its own thread) -------------------------------------------------------------
     def run_loop(self) -> None:

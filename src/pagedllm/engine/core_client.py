@@ -40,11 +40,12 @@ import msgspec
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
-from pagedllm.engine.core_launch import GRAMMAR_COMPILE_TIMEOUT, EngineLaunch
+from pagedllm.engine.core_launch import EngineLaunch
 from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
+from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds a structured-output grammar may take to compile
+from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
 
 
 def _run(*args: Any) -> None:

@@ -13,7 +13,6 @@ process. With tensor-parallel workers, a thread exits the process when one of th
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine import diagnostics
 from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.grammar_compile import Compiling, GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.heap import trim_heap
 from pagedllm.logger import init_logger
@@ -35,7 +35,6 @@ logger = logging.getLogger("pagedllm")
 
 HEARTBEAT = 1.0  # seconds between two messages of an idle engine
 WORKER_WATCH_PERIOD = 0.5  # seconds between two looks at the tensor-parallel workers
-GRAMMAR_COMPILE_THREADS = 2
 
 
 @dataclass
@@ -126,13 +125,10 @@ class EngineCore:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
-        self.grammar_timeout = grammar_timeout
         self.faults = faults or Faults()
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
-            GRAMMAR_COMPILE_THREADS, thread_name_prefix="pagedllm-grammar"
-        )
-        # request id -> (compile future, deadline, the Add message's fields)
-        self._compiling: dict[str, tuple[concurrent.futures.Future, float, tuple]] = {}
+        self._grammars = GrammarCompiler(engine.compile_grammar, grammar_timeout)
+        # request id -> (its constraint compiling, the request)
+        self._compiling: dict[str, tuple[Compiling, EngineCoreRequest]] = {}
         self._poller = zmq.Poller()
         self._poller.register(inputs, zmq.POLLIN)
         self._zmq_again = zmq.Again
@@ -189,32 +185,25 @@ class EngineCore:
             core = message.request
             params = core.sampling_params
             if params is not None and params.structured_outputs is not None:
-                work = self._grammar_pool.submit(engine.compile_grammar, params.structured_outputs)
-                deadline = time.monotonic() + self.grammar_timeout
-                self._compiling[core.request_id] = (work, deadline, core)
+                compiling = self._grammars.submit(params.structured_outputs)
+                self._compiling[core.request_id] = (compiling, core)
             else:
                 self._add(core, None)
         elif isinstance(message, channel.Call):
             self._call(message)
 
     def _add_compiled(self) -> None:
-        now = time.monotonic()
-        for request_id, (work, deadline, core) in list(self._compiling.items()):
-            if not work.done() and now < deadline:
-                continue
+        for request_id, (compiling, core) in list(self._compiling.items()):
+            outcome = self._grammars.outcome(compiling)
+            if outcome is None:
+                continue  # still compiling, in time
             del self._compiling[request_id]
-            if not work.done():
-                work.cancel()
-                self._reject(
-                    request_id, "bad_request",
-                    f"the structured-output constraint did not compile within "
-                    f"{self.grammar_timeout:g} s: simplify the schema or grammar",
-                )  # fmt: skip
-            elif (error := work.exception()) is not None:
-                kind = "bad_request" if isinstance(error, ValueError) else "failed"
-                self._reject(request_id, kind, str(error) if kind == "bad_request" else repr(error))
+            if isinstance(outcome, ValueError):
+                self._reject(request_id, "bad_request", str(outcome))
+            elif isinstance(outcome, BaseException):
+                self._reject(request_id, "failed", repr(outcome))
             else:
-                self._add(core, work.result())
+                self._add(core, outcome)
 
     def _add(self, core: EngineCoreRequest, grammar) -> None:
         request_id = core.request_id
