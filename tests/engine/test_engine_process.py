@@ -5,6 +5,7 @@ the restart budget the engine is dead; a reader that stops reading is cut off.""
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -16,6 +17,7 @@ from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.streams import StreamBacklogError
+from pagedllm.sampling_params import StructuredOutputsParams
 from tests.conftest import save_tiny_llama
 
 PROMPTS = [f"Request number {i} says" for i in range(6)]
@@ -299,3 +301,34 @@ def test_a_killed_tensor_parallel_worker_is_replaced_with_its_engine(args, expec
     finally:
         client.shutdown()
     assert engine_processes() == []
+
+
+def test_structured_outputs_compile_in_the_engine_process(args):
+    """A constraint compiles on the engine process's grammar threads (engine/grammar_compile.py)
+    and holds; one that cannot compile, or not within the time limit, is bad input."""
+
+    def constrained(pattern: str) -> SamplingParams:
+        constraint = StructuredOutputsParams(regex=pattern)
+        return SamplingParams(temperature=0, max_tokens=8, structured_outputs=constraint)
+
+    regex, bad = constrained("[0-9]{3}"), constrained("(unclosed")
+
+    async def final(client, params, request_id):
+        return [o async for o in client.generate(PROMPTS[0], params, request_id)][-1]
+
+    client = EngineCoreClient(args)
+    try:
+        assert re.fullmatch("[0-9]{3}", asyncio.run(final(client, regex, "r")).outputs[0].text)
+        with pytest.raises(ValueError):
+            asyncio.run(final(client, bad, "bad"))
+        clean(client)
+    finally:
+        client.shutdown()
+    # A first compile (the tokenizer's tables included) takes milliseconds, past 1 us.
+    client = EngineCoreClient(args, grammar_compile_timeout=1e-6)
+    try:
+        with pytest.raises(ValueError, match="did not compile within"):
+            asyncio.run(final(client, regex, "late"))
+        clean(client)
+    finally:
+        client.shutdown()
