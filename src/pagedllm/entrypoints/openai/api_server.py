@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai import connections, dashboard
 from pagedllm.entrypoints.openai.connections import BodyLimits
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
@@ -80,7 +81,7 @@ def _basic_auth_password(authorization: str) -> bytes:
         return b""
 
 
-def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+def build_app(async_engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The app over `async_engine`, as `config` says (its host, port and shutdown timeout are
     run_server's)."""
     config = config.named(async_engine.engine.model_name)
@@ -290,7 +291,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _lora_registry(async_engine: AsyncLLMEngine, config: ServerConfig) -> LoRARegistry | None:
+def _lora_registry(async_engine: EngineClient, config: ServerConfig) -> LoRARegistry | None:
     """The served adapters (--lora-modules, each checked now: a bad one stops the start)."""
     if async_engine.engine.config.lora is None:
         if config.lora_modules or config.allow_runtime_lora_updating:
@@ -307,7 +308,7 @@ class _Server(uvicorn.Server):
     engine: open streams end with an error event and [DONE], waiting requests get a 503, so
     every connection closes cleanly instead of being cancelled mid-response."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine, grace: float,
+    def __init__(self, config: uvicorn.Config, async_engine: EngineClient, grace: float,
                  started: tuple[float, dict[str, float]] | None = None):  # fmt: skip
         super().__init__(config)
         self.async_engine = async_engine
@@ -341,7 +342,7 @@ class _Server(uvicorn.Server):
 
 
 def run_server(
-    async_engine: AsyncLLMEngine,
+    async_engine: EngineClient,
     config: ServerConfig,
     started: tuple[float, dict[str, float]] | None = None,
 ) -> None:
@@ -367,7 +368,7 @@ def run_server(
     logger.info("server stopped")
 
 
-def _serve_here(server: _Server, async_engine: AsyncLLMEngine) -> None:
+def _serve_here(server: _Server, async_engine: EngineClient) -> None:
     """uvicorn on this thread, the engine loop on its own (or in its own process)."""
     signalled = []
 

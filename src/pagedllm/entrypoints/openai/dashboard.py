@@ -20,7 +20,8 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
-from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_llm_engine import EngineDeadError
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import error_body
 
 DASHBOARD_PATHS = ("/dashboard", "/debug/kv")
@@ -58,7 +59,7 @@ class SnapshotCache:
     one in flight (and a caller that leaves does not cancel it for the others). Kept as JSON
     bytes, so a busy dashboard costs one serialisation per snapshot, not one per poll."""
 
-    def __init__(self, async_engine: AsyncLLMEngine, interval: float = SNAPSHOT_INTERVAL) -> None:
+    def __init__(self, async_engine: EngineClient, interval: float = SNAPSHOT_INTERVAL) -> None:
         self.async_engine = async_engine
         self.interval = interval
         self._slots: dict[bool, tuple[float, asyncio.Task]] = {}  # check -> (started, task)
@@ -97,7 +98,7 @@ class StatsHistory:
             await asyncio.sleep(self.interval)
 
 
-def add_dashboard(app: FastAPI, async_engine: AsyncLLMEngine) -> StatsHistory:
+def add_dashboard(app: FastAPI, async_engine: EngineClient) -> StatsHistory:
     """Add the two routes; returns the history, whose `run()` the app's lifespan runs."""
     snapshots = SnapshotCache(async_engine)
     history = StatsHistory(async_engine.engine)

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.lora_request import LoRARequest
@@ -54,7 +54,7 @@ def parse_lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
 class LoRARegistry:
     """Adapter name -> LoRARequest, for the serving layer; checks adapters through the engine."""
 
-    def __init__(self, async_engine: AsyncLLMEngine, base_name: str) -> None:
+    def __init__(self, async_engine: EngineClient, base_name: str) -> None:
         self.async_engine = async_engine
         self.base_name = base_name
         self.adapters: dict[str, LoRARequest] = {}

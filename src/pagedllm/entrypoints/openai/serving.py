@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_llm_engine import EngineDeadError
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, engine_error, request_failed
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
 from pagedllm.entrypoints.openai.protocol import random_id
@@ -45,7 +46,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        async_engine: AsyncLLMEngine,
+        async_engine: EngineClient,
         config: ServerConfig,
         metrics: RequestMetrics | None = None,
         loras=None,
