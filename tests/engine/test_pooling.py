@@ -95,7 +95,7 @@ def test_refusals(tiny):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="hidden size 64"):
         embed(llm, PoolingParams(dimensions=65), PROMPTS[:1])
-    with pytest.raises(ValueError, match="max_model_len is 128"):
+    with pytest.raises(ValueError, match=r"maximum context length is 128 tokens \(max_model_len\)"):
         embed(llm, None, [[5] * 129])
     assert embed(llm, None, [[5] * 128])[0].finished  # a full-length input fits: no output
     with pytest.raises(ValueError, match="dimensions must be an integer"):

@@ -10,6 +10,7 @@ import threading
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
 from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.request_checks import check_dimensions, check_fits, check_vocab
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.lora_adapter import load_lora_adapter
 from pagedllm.pooling_params import PoolingParams
@@ -115,12 +116,7 @@ class InputProcessor:
         return self._structured_outputs().grammar(structured_outputs)
 
     def _check_pooling(self, params: PoolingParams) -> None:
-        hidden_size = self.config.model.arch.hidden_size
-        if params.dimensions is not None and params.dimensions > hidden_size:
-            raise ValueError(
-                f"dimensions must be at most the model's hidden size {hidden_size}, "
-                f"got {params.dimensions}"
-            )
+        check_dimensions(params.dimensions, self.config.model.arch.hidden_size)
 
     def _check_sequences(self, num_sequences: int) -> None:
         """A request's n / best_of / beam width against max_num_seqs and the KV allocation."""
@@ -165,24 +161,8 @@ class InputProcessor:
             return self._structured_output_manager
 
     def _validate_prompt(self, token_ids: list[int], room_for_output: bool = True) -> None:
-        max_model_len = self.config.scheduler.max_model_len
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if not room_for_output and len(token_ids) > max_model_len:
-            raise ValueError(
-                f"the input is {len(token_ids)} tokens long, but max_model_len is "
-                f"{max_model_len}: shorten it or raise --max-model-len"
-            )
-        if room_for_output and len(token_ids) >= max_model_len:
-            raise ValueError(
-                f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
-                f"{max_model_len}: shorten the prompt (it needs room for at least one "
-                "generated token) or raise --max-model-len"
-            )
-        vocab = self.config.model.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        check_fits(len(token_ids), self.config.scheduler.max_model_len, room_for_output)
+        check_vocab(token_ids, self.config.model.arch.vocab_size)
 
     def _validate_group(self, num_seqs: int, max_len: int) -> None:
         """Refuse a group the scheduler could never finish (it would loop forever): its

@@ -24,10 +24,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.engine.request_checks import check_vocab
 from pagedllm.entrypoints.openai import connections, dashboard
 from pagedllm.entrypoints.openai.connections import BodyLimits
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_reason
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request_checked,
+    error_body,
+    error_reason,
+)
 from pagedllm.entrypoints.openai.lora import LoRARegistry, add_lora_routes
 from pagedllm.entrypoints.openai.metrics import EngineStatsCollector, RequestMetrics, log_stats
 from pagedllm.entrypoints.openai.protocol import (
@@ -280,12 +286,8 @@ def build_app(async_engine: EngineClient, config: ServerConfig) -> FastAPI:
         chat.check_model(body.model)
         if chat.tokenizer is None:
             raise OpenAIError("this model has no tokenizer")
-        vocab = async_engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(
-                f"token id {bad[0]} is out of range for a vocabulary of {vocab}", param="tokens"
-            )
+        with bad_request_checked():
+            check_vocab(body.tokens, async_engine.engine.model_config.vocab_size, "tokens")
         return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
 
     return app

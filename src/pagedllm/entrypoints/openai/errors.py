@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
 from pagedllm.engine.async_llm_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.request_checks import BadRequest
 
 logger = logging.getLogger("pagedllm")
 
@@ -29,6 +31,15 @@ _ERROR_REASONS = {
 
 def error_reason(status: int) -> str:
     return _ERROR_REASONS.get(status, "internal" if status >= 500 else "bad_request")
+
+
+@contextlib.contextmanager
+def bad_request_checked():
+    """A BadRequest of engine/request_checks.py answered as a 400 naming its field."""
+    try:
+        yield
+    except BadRequest as e:
+        raise OpenAIError(str(e), param=e.param) from None
 
 
 class OpenAIError(Exception):

@@ -14,7 +14,13 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_llm_engine import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.errors import OpenAIError, engine_error, request_failed
+from pagedllm.engine.request_checks import check_fits, check_vocab
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request_checked,
+    engine_error,
+    request_failed,
+)
 from pagedllm.entrypoints.openai.metrics import RequestMetrics
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -210,11 +216,8 @@ class OpenAIServing:
                 ids = self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
                 prompts.append({"prompt": p, "prompt_token_ids": ids})
                 continue
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise OpenAIError(
-                    f"token id {bad[0]} is out of range for a vocabulary of {vocab}", param=param
-                )
+            with bad_request_checked():
+                check_vocab(p, vocab, param)
             prompts.append({"prompt": None, "prompt_token_ids": list(p)})
         return prompts
 
@@ -247,15 +250,10 @@ class OpenAIServing:
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """vLLM's context-length errors: the prompt plus max_tokens must fit max_model_len."""
         limit = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise OpenAIError("The prompt is empty: give at least one token.", param="prompt")
-        if max_tokens is None:
-            if num_prompt_tokens >= limit:
-                raise OpenAIError(
-                    f"This model's maximum context length is {limit} tokens. However, your "
-                    f"request has {num_prompt_tokens} input tokens (it needs room for at least "
-                    "one generated token). Please reduce the length of the input.",
-                    param="messages",
+        if max_tokens is None or num_prompt_tokens == 0:  # as the engine checks it
+            with bad_request_checked():
+                check_fits(
+                    num_prompt_tokens, limit, param="messages" if num_prompt_tokens else "prompt"
                 )
         elif num_prompt_tokens + max_tokens > limit:
             raise OpenAIError(

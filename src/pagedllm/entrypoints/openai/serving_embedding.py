@@ -10,6 +10,7 @@ import base64
 import numpy as np
 from fastapi import Request
 
+from pagedllm.engine.request_checks import check_dimensions, check_fits
 from pagedllm.entrypoints.openai.embedding_protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -17,7 +18,12 @@ from pagedllm.entrypoints.openai.embedding_protocol import (
     EmbeddingUsage,
     PoolingData,
 )
-from pagedllm.entrypoints.openai.errors import OpenAIError, engine_error, request_failed
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request_checked,
+    engine_error,
+    request_failed,
+)
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from pagedllm.entrypoints.openai.streaming import unless_disconnected
@@ -36,12 +42,8 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "this server generates text: embeddings need a server started with "
                 "--runner pooling (or an embedding model)", param="input",
             )  # fmt: skip
-        hidden_size = self.engine.model_config.hidden_size
-        if body.dimensions is not None and body.dimensions > hidden_size:
-            raise OpenAIError(
-                f"dimensions must be at most the model's hidden size {hidden_size}, got "
-                f"{body.dimensions}", param="dimensions",
-            )  # fmt: skip
+        with bad_request_checked():
+            check_dimensions(body.dimensions, self.engine.model_config.hidden_size)
         try:
             params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
         except ValueError as e:
@@ -65,15 +67,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = self.text_or_token_prompts(body.input, "input", body.add_special_tokens)
         for prompt in prompts:
             ids = self._truncate(prompt["prompt_token_ids"], body.truncate_prompt_tokens)
-            if not ids:
-                raise OpenAIError("an input is empty: give at least one token", param="input")
-            if len(ids) > self.max_model_len:
-                raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, an input has {len(ids)} tokens. Please reduce the length of the "
-                    "input, or set truncate_prompt_tokens.",
-                    param="input",
-                )
+            with bad_request_checked():
+                check_fits(len(ids), self.max_model_len, generating=False, param="input",
+                           hint=", or set truncate_prompt_tokens")  # fmt: skip
             prompt["prompt_token_ids"] = ids
         return prompts
 
