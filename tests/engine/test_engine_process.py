@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from pagedllm import EngineArgs, SamplingParams
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_proc import Faults
+from pagedllm.engine.grammar_compile import GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.streams import StreamBacklogError
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -305,7 +307,7 @@ def test_a_killed_tensor_parallel_worker_is_replaced_with_its_engine(args, expec
 
 def test_structured_outputs_compile_in_the_engine_process(args):
     """A constraint compiles on the engine process's grammar threads (engine/grammar_compile.py)
-    and holds; one that cannot compile, or not within the time limit, is bad input."""
+    and holds; one that cannot compile is bad input."""
 
     def constrained(pattern: str) -> SamplingParams:
         constraint = StructuredOutputsParams(regex=pattern)
@@ -324,11 +326,23 @@ def test_structured_outputs_compile_in_the_engine_process(args):
         clean(client)
     finally:
         client.shutdown()
-    # A first compile (the tokenizer's tables included) takes milliseconds, past 1 us.
-    client = EngineCoreClient(args, grammar_compile_timeout=1e-6)
+
+
+def test_a_compile_past_its_time_limit_is_bad_input():
+    """The engine process's side of engine/grammar_compile.py (the async engine's is in
+    test_grammar_off_loop.py): still compiling in time, then refused once past it."""
+    release = threading.Event()
+    compiler = GrammarCompiler(lambda _: release.wait() and "grammar", timeout=600)
     try:
-        with pytest.raises(ValueError, match="did not compile within"):
-            asyncio.run(final(client, regex, "late"))
-        clean(client)
+        compiling = compiler.submit(None)
+        assert compiler.outcome(compiling) is None  # compiling, within its time
+        compiling.deadline = time.monotonic()  # the limit has passed
+        late = compiler.outcome(compiling)
+        assert isinstance(late, ValueError) and "did not compile within 600 s" in str(late)
+        release.set()
+        done = compiler.submit(None)
+        done.future.result()
+        assert compiler.outcome(done) == "grammar"
     finally:
-        client.shutdown()
+        release.set()
+        compiler.shutdown()

@@ -162,8 +162,8 @@ class EngineCoreClient:
         self.check_health()
         core = EngineCoreRequest.of(request_id, prompt, params, time.time(), cache_salt=cache_salt,
                                     lora_request=lora_request, priority=priority)  # fmt: skip
-        try:
-            channel.encode(channel.Add(core))  # what cannot cross fails here, as bad input
+        try:  # what cannot cross fails here, as bad input; the first send sends this frame
+            frame = channel.encode(channel.Add(core))
         except (RecursionError, TypeError, msgspec.EncodeError) as e:
             raise ValueError(
                 f"the request cannot be sent to the engine ({e}): it is nested too deeply "
@@ -177,7 +177,7 @@ class EngineCoreClient:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._tracked[request_id] = tracked
             if self._state == "running":
-                self._send_add(tracked)
+                tracked.sent = self._send(frame)
         try:
             async for output in stream.outputs():
                 yield output
@@ -227,10 +227,11 @@ class EngineCoreClient:
 
     # -- sending (under the lock) ---------------------------------------------------------------
     def _send(self, message) -> bool:
-        """Send without blocking; False when the engine process is gone (its socket has no
-        peer: a blocking send would wait, holding the lock, for ever). The request it carried
-        is resubmitted to the next process, like every unfinished one."""
-        frame = channel.encode(message)
+        """Send without blocking (a message, or its encoded frame); False when the engine
+        process is gone (its socket has no peer: a blocking send would wait, holding the lock,
+        for ever). The request it carried is resubmitted to the next process, like every
+        unfinished one."""
+        frame = message if isinstance(message, bytes) else channel.encode(message)
         while True:
             try:
                 self._input.send(frame, self._zmq.NOBLOCK)
@@ -241,6 +242,7 @@ class EngineCoreClient:
                 time.sleep(0.001)  # a process that just started: its connection is under way
 
     def _send_add(self, t: TrackedRequest) -> None:
+        """Resubmit `t` to a new engine process, with what it had handed out."""
         core = msgspec.structs.replace(t.request, resumed=t.resumed_output())
         t.sent = self._send(channel.Add(core))
 
@@ -256,7 +258,7 @@ class EngineCoreClient:
         """Send what waits (after a restart), in arrival order: every request not on
         probation, and the first on probation unless one of them runs already."""
         waiting = sorted((t for t in self._tracked.values() if not t.sent),
-                         key=lambda t: t.arrival_time)  # fmt: skip
+                         key=lambda t: t.request.arrival_time)  # fmt: skip
         probation_running = any(t.sent and t.probation for t in self._tracked.values())
         for t in waiting:
             if t.probation:
@@ -443,25 +445,25 @@ class EngineCoreClient:
         """Fail the requests that cannot go on (under the lock); the others wait to be
         resubmitted."""
         in_flight = [t for t in self._tracked.values() if t.sent]
-        for t in list(self._tracked.values()):
+        for request_id, t in list(self._tracked.items()):
             error = None
             if blame and t.sent:
                 t.num_faults += 1
                 if t.probation or (t.num_faults >= POISON_FAULTS and len(in_flight) == 1):
                     error = (
-                        f"request {t.request_id} failed: the engine failed {t.num_faults} times "
+                        f"request {request_id} failed: the engine failed {t.num_faults} times "
                         f"while running it (the last: {reason}), the last time with no other "
                         "suspect request: it is not retried"
                     )
                 t.probation = t.num_faults >= POISON_FAULTS
             if error is None and not t.resumable and t.handed_out:
                 error = (
-                    f"request {t.request_id} was lost with its engine ({reason}) and cannot "
+                    f"request {request_id} was lost with its engine ({reason}) and cannot "
                     "resume: requests of several sequences (n, best_of, beam search) restart "
                     "only before their first output"
                 )
             if error is not None:
-                del self._tracked[t.request_id]
+                del self._tracked[request_id]
                 t.stream.put(RequestFailedError(error))
                 continue
             t.sent = False

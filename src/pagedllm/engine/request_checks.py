@@ -1,5 +1,6 @@
 """The checks a request's prompt and pooling parameters must pass, written once, in the
-wording clients of vLLM's server match on. The serving layer runs them before a request reaches
+wording of vLLM's server that clients match on ("maximum context length is N tokens"). The
+serving layer runs them before a request reaches
 the engine (its 400 names `param`, the request's field); the input processor runs them on every
 request (the offline API's too), so that no engine takes a request it could not finish."""
 

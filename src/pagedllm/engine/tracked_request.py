@@ -11,7 +11,6 @@ from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.streams import RequestStream
 from pagedllm.outputs import CompletionOutput, RequestOutput, ResumedOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -31,20 +30,8 @@ class TrackedRequest:
     completions: dict[int, CompletionOutput] = field(default_factory=dict)  # whole outputs
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def arrival_time(self) -> float:
-        return self.request.arrival_time
-
-    @property
-    def params(self) -> SamplingParams | PoolingParams:
-        return self.request.params
-
-    @property
     def resumable(self) -> bool:
-        params = self.params
+        params = self.request.params
         if isinstance(params, PoolingParams):
             return True  # nothing handed out before its one output
         return params.num_sequences == 1 and not params.use_beam_search
