@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 # One dict per generated token: token id -> Logprob (the sampled token is always included).
 SampleLogprobs = list[dict[int, "Logprob"]]
 
@@ -16,10 +18,10 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True):
     """What the runner reports for one generated token: its logprob and rank, then the top-N
-    (token id, logprob) pairs."""
+    (token id, logprob) pairs. A msgspec struct: it crosses to the server's process as it is
+    (engine/core_output.py)."""
 
     token_id: int
     logprob: float
@@ -88,12 +90,11 @@ class RequestOutput:
 @dataclass
 class ResumedOutput:
     """What a single-sequence request had generated when its engine was lost, for the engine
-    that takes it over (engine/core_client.py): the output tokens, how many characters of
-    their text were already handed out, and the tokens' summed logprob. The new engine
-    recomputes prompt and tokens, as after a recompute preemption, and goes on from there."""
+    that takes it over (engine/core_client.py): the output tokens and their summed logprob.
+    The new engine recomputes prompt and tokens, as after a recompute preemption, and goes on
+    from there; the text stays with the server's side, which made it."""
 
     token_ids: list[int]
-    num_text_chars: int = 0
     cumulative_logprob: float = 0.0
 
 

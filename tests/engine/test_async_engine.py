@@ -124,7 +124,9 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
         closed.close()
         for request_id, prompt in (("bad", list(range(3, 40))), ("good", PROMPTS[0])):
             aengine._streams[request_id] = RequestStream(request_id, aengine.abort, loop=closed)
-            core = EngineCoreRequest.of(request_id, prompt, GREEDY, time.time())
+            core = EngineCoreRequest.of(
+                aengine.engine.tokenizer, request_id, prompt, GREEDY, time.time()
+            )
             aengine._commands.put(("add", core, False, None))
         outputs = asyncio.run(collect(aengine, PROMPTS[1], "after"))
         assert outputs[-1].finished and aengine.dead_error is None

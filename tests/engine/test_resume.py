@@ -63,7 +63,7 @@ def test_a_resumed_request_goes_on_as_an_undisturbed_one(engine, name, cut):
     text, tokens, logprobs, cumulative, reason = joined(whole)
     # The lost engine handed out the first `cut` deltas.
     before = joined(whole[:cut])
-    resumed = ResumedOutput(before[1], len(before[0]), whole[cut - 1][3] or 0.0)
+    resumed = ResumedOutput(before[1], whole[cut - 1][3] or 0.0)
     after = run(engine, f"{name}-{cut}-resumed", PROMPT, params, resumed)
     assert before[1] + joined(after)[1] == tokens
     assert before[0] + joined(after)[0] == text
@@ -84,7 +84,7 @@ def test_a_stop_string_spanning_the_cut_and_held_back_text_are_kept(engine):
     whole = run(engine, "stop-whole", PROMPT, params)
     for cut in range(1, len(whole), 3):
         before = joined(whole[:cut])
-        resumed = ResumedOutput(before[1], len(before[0]))
+        resumed = ResumedOutput(before[1])
         after = joined(run(engine, f"stop-{cut}", PROMPT, params, resumed))
         assert before[0] + after[0] == joined(whole)[0]
         assert after[4] == "stop"
@@ -97,7 +97,7 @@ def test_a_structured_output_resumes_inside_its_grammar(engine):
                             structured_outputs=StructuredOutputsParams(json=schema))  # fmt: skip
     whole = run(engine, "json-whole", PROMPT, params)
     before = joined(whole[:3])
-    after = run(engine, "json-resumed", PROMPT, params, ResumedOutput(before[1], len(before[0])))
+    after = run(engine, "json-resumed", PROMPT, params, ResumedOutput(before[1]))
     assert before[0] + joined(after)[0] == joined(whole)[0]
 
 

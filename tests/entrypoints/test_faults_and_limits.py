@@ -540,14 +540,14 @@ def test_prompts_reach_the_log_only_with_the_flag(tiny_model, log_requests):
 def test_engine_exception_in_add_request_fails_that_request_only(server, monkeypatch):
     """A non-ValueError while adding one request used to kill the engine loop."""
     inputs = server.engine.engine.input_processor
-    original = inputs.tokenize_prompt
+    original = inputs.process
 
-    def tokenize(prompt):
-        if isinstance(prompt, dict) and prompt.get("prompt_token_ids") == POISON:
+    def process(core, grammar=None):
+        if core.prompt_token_ids == POISON:
             raise KeyError("injected add fault")
-        return original(prompt)
+        return original(core, grammar)
 
-    monkeypatch.setattr(inputs, "tokenize_prompt", tokenize)
+    monkeypatch.setattr(inputs, "process", process)
     with httpx.Client(timeout=TIMEOUT) as http:
         url = f"{server.url}/v1/completions"
         _error(http.post(url, json={"prompt": POISON, "max_tokens": 2}), 500, "injected add")

@@ -117,8 +117,10 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self.check_health()
             raise EngineDeadError("the server is shutting down")
-        core = EngineCoreRequest.of(request_id, prompt, params, time.time(), cache_salt=cache_salt,
-                                    lora_request=lora_request, priority=priority)  # fmt: skip
+        core = EngineCoreRequest.of(
+            self.engine.tokenizer, request_id, prompt, params, time.time(),
+            cache_salt=cache_salt, lora_request=lora_request, priority=priority,
+        )  # fmt: skip
         self._commands.put(("add", core, delta, grammar))
         try:
             async for output in stream.outputs():

@@ -1,9 +1,9 @@
 """The messages between the API server and its engine process (engine/core_proc.py and
 engine/core_client.py): msgpack frames over ZMQ sockets, typed with msgspec. Each direction has
 one socket (PUSH to PULL), so messages arrive in the order they were sent. A request travels as
-its typed struct (EngineCoreRequest); the engine's outputs (RequestOutputs) and calls' arguments
-still travel inside as pickles: both ends run the same code, and the sockets are local to the
-machine and the user."""
+its typed struct (EngineCoreRequest), the engine's outputs as theirs (EngineCoreOutput: token
+ids); calls' arguments and the counters still travel inside as pickles: both ends run the same
+code, and the sockets are local to the machine and the user."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.engine.core_output import EngineCoreOutput
 from pagedllm.engine.core_request import EngineCoreRequest
 
 # The engine process's exit status when it lost a tensor-parallel worker (not its requests'
@@ -30,6 +31,14 @@ class Add(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class Finish(msgspec.Struct, tag=True):
+    """The server's side ended sample `index` of a request (a stop string matched), or the
+    whole request (None): LLMEngine.finish_sample."""
+
+    request_id: str
+    index: int | None
 
 
 class Call(msgspec.Struct, tag=True):
@@ -53,10 +62,10 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    """After every step (or, idle, every heartbeat interval): the step's outputs (pickled
-    list of RequestOutput / PoolingRequestOutput, deltas), and the engine's counters."""
+    """After every step (or, idle, every heartbeat interval): the step's outputs, and the
+    engine's counters."""
 
-    outputs: bytes
+    outputs: list[EngineCoreOutput]
     stats: bytes  # pickled (get_stats(), lora_stats())
     num_steps: int
 
@@ -84,7 +93,7 @@ class Fatal(msgspec.Struct, tag=True):
     blame: bool
 
 
-ToEngine = Add | Abort | Call | Stop
+ToEngine = Add | Abort | Finish | Call | Stop
 FromEngine = Ready | Outputs | Rejected | Reply | Fatal
 
 _encoder = msgspec.msgpack.Encoder()

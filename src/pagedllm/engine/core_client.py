@@ -18,8 +18,9 @@ engine fails while it runs so, it is failed with a clear error and not retried, 
 others go on. More than `max_restarts` restarts within RESTART_WINDOW seconds: the engine is
 declared dead, as an in-process one whose loop died.
 
-The engine always streams deltas; callers that asked for whole outputs get them assembled by
-their TrackedRequest (engine/tracked_request.py), which also keeps what a resume needs.
+The engine reports token ids (EngineCoreOutputs); the output processor here makes the text,
+stops a sequence at its stop string (telling the engine), and assembles whole or delta outputs,
+off the engine's thread. A resume sends back the token ids it handed out, nothing else.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ import atexit
 import concurrent.futures
 import itertools
 import logging
-import multiprocessing as mp
-import signal
 import tempfile
 import threading
 import time
@@ -43,10 +42,12 @@ from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_launch import EngineLaunch
 from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.core_supervisor import MAX_RESTARTS, RESTART_WINDOW, EngineProcess
 from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,
     EngineDeadError,
@@ -61,8 +62,6 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 STEP_TIMEOUT = 120.0  # seconds without a finished step, requests in flight: a hung engine
-MAX_RESTARTS = 5  # within RESTART_WINDOW; one more and the engine is declared dead
-RESTART_WINDOW = 600.0
 STARTUP_TIMEOUT = 600.0  # seconds an engine process may take to load its model
 POISON_FAULTS = 2  # blamed failures a request was in flight for before its probation
 # Counters that are gauges (they start over with a new process); the others are summed over
@@ -93,30 +92,22 @@ class EngineCoreClient:
         self.engine = EngineInfo(self, args)
         self.step_timeout = step_timeout
         self.max_restarts = max_restarts
-        self.startup_timeout = startup_timeout
-        self.grammar_compile_timeout = grammar_compile_timeout
         self.max_stream_backlog = max_stream_backlog
-        self.faults = faults
         self.dead_error: BaseException | None = None
         self.num_restarts = 0
         self.lora_stats: dict | None = None
         self._zmq = zmq
-        self._context = zmq.Context()
-        self._socket_dir = launched.socket_dir if launched else tempfile.mkdtemp(prefix="pagedllm-")
+        socket_dir = launched.socket_dir if launched else tempfile.mkdtemp(prefix="pagedllm-")
+        self._process = EngineProcess(args, socket_dir, grammar_compile_timeout, faults,
+                                      startup_timeout, max_restarts)  # fmt: skip
         self._lock = threading.RLock()  # the request table, the input socket, the state
         self._tracked: dict[str, TrackedRequest] = {}
+        self.output_processor = OutputProcessor(self.engine.tokenizer, self._finish)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._stats: dict = {}
         self._carried: dict = {}  # counters of the processes before this one
-        self._restart_times: list[float] = []
-        self._stepped = False  # the current engine process finished a step
-        self._num_futile = 0  # engine processes in a row that failed before any step
-        self._generation = 0
         self._state = "starting"  # running | restarting | dead | stopped
-        self._fatal: channel.Fatal | None = None
-        self._last_message = time.monotonic()
-        self._proc: mp.Process | None = None
         self._start_process(launched)
         self._state = "running"
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine-io", daemon=True)
@@ -140,7 +131,8 @@ class EngineCoreClient:
     @property
     def pid(self) -> int | None:
         """The engine process's pid."""
-        return self._proc.pid if self._proc is not None else None
+        proc = self._process.proc
+        return proc.pid if proc is not None else None
 
     def check_health(self) -> None:
         if self._state == "stopped":
@@ -160,8 +152,10 @@ class EngineCoreClient:
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncLLMEngine.generate."""
         self.check_health()
-        core = EngineCoreRequest.of(request_id, prompt, params, time.time(), cache_salt=cache_salt,
-                                    lora_request=lora_request, priority=priority)  # fmt: skip
+        core = EngineCoreRequest.of(
+            self.engine.tokenizer, request_id, prompt, params, time.time(),
+            cache_salt=cache_salt, lora_request=lora_request, priority=priority,
+        )  # fmt: skip
         try:  # what cannot cross fails here, as bad input; the first send sends this frame
             frame = channel.encode(channel.Add(core))
         except (RecursionError, TypeError, msgspec.EncodeError) as e:
@@ -170,12 +164,13 @@ class EngineCoreClient:
                 "or holds what cannot be serialized"
             ) from None
         stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
-        tracked = TrackedRequest(core, delta, stream)
+        tracked = TrackedRequest(core, stream)
         with self._lock:
             self.check_health()
             if request_id in self._tracked:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._tracked[request_id] = tracked
+            self.output_processor.add_request(core, delta)
             if self._state == "running":
                 tracked.sent = self._send(frame)
         try:
@@ -220,10 +215,10 @@ class EngineCoreClient:
                 self._send(channel.Stop())
             self._fail_all(EngineDeadError("the server is shutting down"))
         atexit.unregister(self.shutdown)
-        self._stop_process(timeout or 0)
+        self._process.stop(timeout or 0)
         if threading.current_thread() is not self._thread:
             self._thread.join(5)
-        self._context.destroy(linger=0)
+        self._process.context.destroy(linger=0)
 
     # -- sending (under the lock) ---------------------------------------------------------------
     def _send(self, message) -> bool:
@@ -232,23 +227,24 @@ class EngineCoreClient:
         for ever). The request it carried is resubmitted to the next process, like every
         unfinished one."""
         frame = message if isinstance(message, bytes) else channel.encode(message)
-        while True:
-            try:
-                self._input.send(frame, self._zmq.NOBLOCK)
-                return True
-            except self._zmq.Again:
-                if self._state != "running" or not self._proc.is_alive():
-                    return False
-                time.sleep(0.001)  # a process that just started: its connection is under way
+        return self._process.send(frame, lambda: self._state == "running")
 
     def _send_add(self, t: TrackedRequest) -> None:
         """Resubmit `t` to a new engine process, with what it had handed out."""
-        core = msgspec.structs.replace(t.request, resumed=t.resumed_output())
-        t.sent = self._send(channel.Add(core))
+        resumed = self.output_processor.resumed_output(t.request.request_id)
+        t.sent = self._send(channel.Add(msgspec.structs.replace(t.request, resumed=resumed)))
+
+    def _finish(self, request_id: str, index: int | None) -> None:
+        """The output processor ended a sample (a stop string) or the whole request: the
+        engine process stops computing it."""
+        t = self._tracked.get(request_id)
+        if t is not None and t.sent and self._state == "running":
+            self._send(channel.Finish(request_id, index))
 
     def _forget(self, request_id: str) -> TrackedRequest | None:
         """Drop a request that ended or was aborted; a request on probation that ends lets the
         next one run."""
+        self.output_processor.remove([request_id])
         t = self._tracked.pop(request_id, None)
         if t is not None and t.probation and t.sent and self._state == "running":
             self._submit_waiting()
@@ -282,79 +278,31 @@ class EngineCoreClient:
 
     # -- the engine process ---------------------------------------------------------------------
     def _start_process(self, launched: EngineLaunch | None = None) -> None:
-        """Fresh sockets (nothing meant for a dead process reaches the next), the process (or
-        the one `launched` for them), and its Ready; RuntimeError if it exits or fails to start
-        in time."""
-        zmq = self._zmq
-        self._generation += 1
-        base = f"ipc://{self._socket_dir}/{self._generation}"
-        self._input = self._context.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # no bound: a send never waits for the engine
-        self._input.bind(f"{base}-in")
-        self._output = self._context.socket(zmq.PULL)
-        self._output.bind(f"{base}-out")
-        self._fatal = None
-        if launched is None:
-            launched = EngineLaunch.start(self.engine.args, self._socket_dir, self._generation - 1,
-                                          self.grammar_compile_timeout, self.faults)  # fmt: skip
-        assert launched.base == base, (launched.base, base)
-        launched.adopted = True
-        self._proc = launched.process
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self._output.poll(100):
-                message = channel.decode_from_engine(self._output.recv())
-                if isinstance(message, channel.Ready):
-                    self._last_message = time.monotonic()
-                    self._stats, self.lora_stats = channel.unpack(message.stats)
-                    logger.info("engine process %d ready", message.pid)
-                    return
-                if isinstance(message, channel.Fatal):
-                    self._stop_process(5)
-                    raise RuntimeError(message.message)
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the engine process exited (code {self._proc.exitcode})")
-        self._stop_process(0)
-        raise RuntimeError(f"the engine process did not start within {self.startup_timeout:g} s")
-
-    def _stop_process(self, timeout: float) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        for sock in (self._input, self._output):
-            sock.close(linger=0)
+        self._stats, self.lora_stats = channel.unpack(self._process.start(launched))
 
     # -- the thread: outputs, watching, restarting ---------------------------------------------
     def _run(self) -> None:
         while self._state not in ("stopped", "dead"):
             try:
-                if self._output.poll(100):
+                if self._process.output.poll(100):
                     self._take_messages()
             except self._zmq.ZMQError:
                 if self._state in ("stopped", "dead"):
                     return
                 raise
-            failure = self._failure()
+            in_flight = any(t.sent for t in self._tracked.values()) or bool(self._calls)
+            failure = self._process.failure(in_flight, self.step_timeout)
             if failure is not None and self._state == "running":
                 self._restart(*failure)
 
     def _take_messages(self) -> None:
-        while True:
-            try:
-                frame = self._output.recv(self._zmq.NOBLOCK)
-            except self._zmq.Again:
-                return
-            self._last_message = time.monotonic()
-            message = channel.decode_from_engine(frame)
+        process = self._process
+        while (message := process.receive()) is not None:
             if isinstance(message, channel.Outputs):
                 self._stats, self.lora_stats = channel.unpack(message.stats)
-                self._stepped = self._stepped or message.num_steps > 0
-                for output in channel.unpack(message.outputs):
-                    self._deliver(output)
+                process.stepped = process.stepped or message.num_steps > 0
+                if message.outputs:
+                    self._deliver(message.outputs)
             elif isinstance(message, channel.Rejected):
                 with self._lock:
                     tracked = self._forget(message.request_id)
@@ -370,36 +318,22 @@ class EngineCoreClient:
                     else:
                         future.set_exception(ValueError(value))
             elif isinstance(message, channel.Fatal):
-                self._fatal = message
+                process.fatal = message
 
-    def _deliver(self, output) -> None:
-        with self._lock:
-            t = self._tracked.get(output.request_id)
-            if t is None:
-                return  # aborted meanwhile
-            if output.finished:
-                self._forget(output.request_id)
-        if getattr(output, "error", None) is not None:
-            t.stream.put(RequestFailedError(output.error))
-            return
-        t.stream.put(t.hand_out(output))
-
-    def _failure(self) -> tuple[str, bool] | None:
-        """Why the engine process must be replaced (and whether to blame its requests)."""
-        proc = self._proc
-        if self._fatal is not None:
-            return f"the engine failed: {self._fatal.message}", self._fatal.blame
-        if not proc.is_alive():
-            code = proc.exitcode
-            if code == channel.WORKER_LOST_EXIT_CODE:
-                return "the engine process lost a tensor-parallel worker", False
-            external = code in (-signal.SIGKILL, -signal.SIGTERM)  # an operator, the OOM killer
-            return f"the engine process exited (code {code})", not external
-        in_flight = any(t.sent for t in self._tracked.values()) or bool(self._calls)
-        silent = time.monotonic() - self._last_message
-        if in_flight and silent > self.step_timeout:
-            return f"no engine step finished in {silent:.0f} s (--engine-step-timeout)", True
-        return None
+    def _deliver(self, core_outputs: list) -> None:
+        with self._lock:  # the processor's requests are added and aborted under it too
+            delivered = []
+            for output in self.output_processor.process(core_outputs):
+                t = self._tracked.get(output.request_id)
+                if t is None:
+                    continue
+                if output.finished:
+                    self._forget(output.request_id)
+                t.handed_out = True
+                delivered.append((t, output))
+        for t, output in delivered:
+            error = getattr(output, "error", None)
+            t.stream.put(output if error is None else RequestFailedError(error))
 
     def _restart(self, reason: str, blame: bool) -> None:
         logger.error("%s: restarting the engine process", reason)
@@ -410,24 +344,15 @@ class EngineCoreClient:
             self._calls.clear()
             self._carry_stats()
             self._sort_out_requests(reason, blame)
-        self._stop_process(0)
+        self._process.stop(0)
         while True:
-            now = time.monotonic()
-            self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW]
-            if len(self._restart_times) >= self.max_restarts:
+            if not self._process.may_restart():
                 self._give_up(f"{reason}; {self.max_restarts} restarts in {RESTART_WINDOW:g} s")
                 return
-            self._restart_times.append(now)
             self.num_restarts += 1
-            # An engine that stepped is restarted at once; one that failed before its first
-            # step (or did not start) after a growing pause: a crash loop must not spin.
-            self._num_futile = 0 if self._stepped else self._num_futile + 1
-            if self._num_futile:
-                time.sleep(min(10.0, 0.5 * 2 ** (self._num_futile - 1)))
             if self._state == "stopped":
                 return
             try:
-                self._stepped = False
                 self._start_process()
                 break
             except RuntimeError as e:
@@ -435,7 +360,7 @@ class EngineCoreClient:
                 logger.error("%s", reason)
         with self._lock:
             if self._state == "stopped":
-                self._stop_process(0)
+                self._process.stop(0)
                 return
             self._state = "running"
             self._submit_waiting()
@@ -464,11 +389,12 @@ class EngineCoreClient:
                 )
             if error is not None:
                 del self._tracked[request_id]
+                self.output_processor.remove([request_id])
                 t.stream.put(RequestFailedError(error))
                 continue
             t.sent = False
             if not t.resumable:
-                t.start_over()
+                self.output_processor.start_over(request_id)
 
     def _carry_stats(self) -> None:
         for key, value in self._stats.items():
@@ -489,6 +415,7 @@ class EngineCoreClient:
         for t in self._tracked.values():
             t.stream.put(error)
         self._tracked.clear()
+        self.output_processor.states.clear()
         for future in self._calls.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)

@@ -5,7 +5,8 @@ engine/core_client.py is the other end).
 Between two steps it takes what the server sent: requests (added as soon as their structured-
 output constraint, if any, has compiled on a compile thread), aborts, calls (a KV snapshot,
 checking a LoRA adapter, engine/diagnostics.py's reports). After every step it sends the step's
-outputs (as deltas) and the engine's counters; idle, it sends the counters every HEARTBEAT
+outputs (EngineCoreOutputs: token ids, the server's side makes the text) and the engine's
+counters; idle, it sends the counters every HEARTBEAT
 seconds, so the server can tell a hung step (no message while requests are in flight) from an
 idle engine. If the loop raises, it sends a Fatal message and exits; the server starts another
 process. With tensor-parallel workers, a thread exits the process when one of them is gone
@@ -70,7 +71,7 @@ def run_engine_core(
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     try:
-        engine = LLMEngine(args)
+        engine = LLMEngine(args, output_processing=False)  # the server's side does it
     except BaseException as e:  # the server reports it (a bad flag is not a crash to trace)
         outputs.send(channel.encode(channel.Fatal(f"the engine failed to start: {e!r}", False)))
         outputs.close(linger=2000)
@@ -151,7 +152,7 @@ class EngineCore:
             self._add_compiled()
             if engine.has_unfinished_requests():
                 self._inject_faults()
-                step_outputs = engine.step()
+                step_outputs = engine.step_core()
                 self.num_steps += 1
                 self._send_outputs(step_outputs)
                 last_sent = time.monotonic()
@@ -181,6 +182,8 @@ class EngineCore:
             for request_id in message.request_ids:
                 if self._compiling.pop(request_id, None) is None:
                     engine.abort_request(request_id)
+        elif isinstance(message, channel.Finish):
+            engine.finish_sample(message.request_id, message.index)
         elif isinstance(message, channel.Add):
             core = message.request
             params = core.sampling_params
@@ -208,7 +211,7 @@ class EngineCore:
     def _add(self, core: EngineCoreRequest, grammar) -> None:
         request_id = core.request_id
         try:
-            self.engine.add_core_request(core, True, grammar)
+            self.engine.add_core_request(core, grammar=grammar)
         except ValueError as e:
             self._reject(request_id, "bad_request", str(e))
             return
@@ -259,7 +262,7 @@ class EngineCore:
     def _send_outputs(self, step_outputs: list) -> None:
         engine = self.engine
         stats = (engine.get_stats(), engine.lora_stats())
-        message = channel.Outputs(channel.pack(step_outputs), channel.pack(stats), self.num_steps)
+        message = channel.Outputs(step_outputs, channel.pack(stats), self.num_steps)
         self.outputs.send(channel.encode(message))
 
     def _inject_faults(self) -> None:

@@ -1,11 +1,13 @@
 """EngineCoreRequest: one request as the engine takes it, made once where it enters (the offline
-engine's add_request, the async engine's or the engine-process client's generate) and carried
-unchanged to the input processor, which makes the scheduler's Request from it. A msgspec struct:
-it crosses the process boundary as it is (engine/core_channel.py), no field list by position.
-A new request field goes here, where the request is made, and where it is used."""
+engine's add_request, the async engine's or the engine-process client's generate: the prompt is
+tokenized there, on the server's side) and carried unchanged to the input processor, which
+makes the scheduler's Request from it. A msgspec struct: it crosses the process boundary as it
+is (engine/core_channel.py), no field list by position. A new request field goes here, where
+the request is made, and where it is used."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import msgspec
@@ -18,8 +20,8 @@ from pagedllm.sampling_params import SamplingParams
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
     request_id: str
-    # A string, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} (PromptType).
-    prompt: str | list[int] | dict[str, Any]
+    prompt_token_ids: list[int]
+    prompt: str | None = None  # the text, when the prompt was one (for the outputs)
     # One of the two: a generation or an embedding (pooling) request.
     sampling_params: SamplingParams | None = None
     pooling_params: PoolingParams | None = None
@@ -34,16 +36,44 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
 
     @classmethod
     def of(
-        cls, request_id: str, prompt, params: SamplingParams | PoolingParams, arrival_time: float,
-        **fields,
+        cls, tokenizer, request_id: str, prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | PoolingParams, arrival_time: float, **fields,
     ) -> EngineCoreRequest:  # fmt: skip
-        """The request with `params` in its field by kind."""
+        """The request of `prompt` (a string, token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": ...}), tokenized by `tokenizer`, with `params` in its field by
+        kind; ValueError for a prompt that is neither."""
+        text, token_ids = tokenize_prompt(tokenizer, prompt)
         if isinstance(params, PoolingParams):
             fields["pooling_params"] = params
         else:
             fields["sampling_params"] = params
-        return cls(request_id=request_id, prompt=prompt, arrival_time=arrival_time, **fields)
+        return cls(request_id=request_id, prompt_token_ids=token_ids, prompt=text,
+                   arrival_time=arrival_time, **fields)  # fmt: skip
 
     @property
     def params(self) -> SamplingParams | PoolingParams:
         return self.pooling_params if self.pooling_params is not None else self.sampling_params
+
+
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(the prompt's text if it has one, its token ids)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
+            return (text if isinstance(text, str) else None), _token_ids(prompt)
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+        return prompt, tokenizer.encode(prompt)
+    return None, _token_ids(prompt)
+
+
+def _token_ids(prompt) -> list[int]:
+    try:
+        return [operator.index(t) for t in prompt]
+    except TypeError:
+        raise ValueError(
+            "a prompt is a string, a list of token ids, or {'prompt': ...} / "
+            "{'prompt_token_ids': [...]}"
+        ) from None

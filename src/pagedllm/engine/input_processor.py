@@ -1,5 +1,5 @@
-"""From a user's prompt and SamplingParams to a Request the scheduler can always finish:
-tokenizing, every check a request must pass before it is queued (with the fix in the message),
+"""From an EngineCoreRequest (a tokenized prompt and its params) to a Request the scheduler can
+always finish: every check a request must pass before it is queued (with the fix in the message),
 the resolved output budget, and the structured-output grammar."""
 
 from __future__ import annotations
@@ -38,17 +38,6 @@ class InputProcessor:
         self._manager_lock = threading.Lock()  # compile_grammar runs off the engine's thread
         self._checked_loras: dict[int, str] = {}  # adapter id -> its path, once read and checked
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
     def process(self, core: EngineCoreRequest, grammar: Grammar | None = None) -> Request:
         """The request's first sequence (its group is `request.group`); ValueError if it is
         one the engine must refuse. `grammar`: its structured-output constraint compiled
@@ -76,7 +65,7 @@ class InputProcessor:
             self._check_sequences(params.num_sequences)
         if lora_request is not None:
             self.check_lora(lora_request)
-        text, token_ids = self.tokenize_prompt(core.prompt)
+        text, token_ids = core.prompt, core.prompt_token_ids
         self._validate_prompt(token_ids, room_for_output=not pooling)
         if pooling:  # prefill-only: its placeholder SamplingParams are never read for sampling
             request = Request(

@@ -1,6 +1,8 @@
 """LLMEngine: the step loop and the request table. Each step the scheduler decides what runs,
 the executor runs it on the workers, the scheduler takes the sampled tokens, and the output
-processor turns them into RequestOutputs; requests come in through the input processor."""
+builder reports them as EngineCoreOutputs (token ids); requests come in through the input
+processor. `step()` also turns those into RequestOutputs (text) with the output processor;
+the engine process leaves that to the server's side (`output_processing=False`, `step_core()`)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from pagedllm.core.kv_cache_interface import KVCacheInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
+from pagedllm.engine.core_output import EngineCoreOutput
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_info import EngineDescription
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_events import KVEventPublisher
 from pagedllm.engine.kv_snapshot import kv_snapshot
+from pagedllm.engine.output_builder import OutputBuilder
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import Executor, create_executor
 from pagedllm.lora_request import LoRARequest
@@ -83,10 +87,12 @@ class LLMEngine(EngineDescription):
         *,
         executor: Executor | None = None,
         kv_cache_manager: KVCacheManagerFactory = make_kv_cache_manager,
+        output_processing: bool = True,
     ) -> None:
         """`executor`: another engine's, whose loaded model this one runs with its own cache
         settings (the models must agree; the other engine steps no more); `kv_cache_manager`:
-        how the block manager is made."""
+        how the block manager is made; `output_processing`: False in the engine process,
+        whose outputs the server's side processes (only step_core() then)."""
         if args.data_parallel_size > 1 and args.data_parallel_rank is None:
             raise ValueError(
                 "--data-parallel-size > 1 runs engine replicas behind `pagedllm serve` (in "
@@ -122,9 +128,10 @@ class LLMEngine(EngineDescription):
         except BaseException:
             self.shutdown()
             raise
-        self.output_processor = OutputProcessor(
-            self.tokenizer, self.scheduler.finish_seq, self._abort_in_scheduler
-        )
+        self.output_builder = OutputBuilder()
+        self.output_processor = None
+        if output_processing:
+            self.output_processor = OutputProcessor(self.tokenizer, self.finish_sample)
         self._num_preemptions_logged = 0
         # Tokens run through the model: prompt tokens prefilled (again after a recompute), and
         # tokens sampled; for throughput logs.
@@ -210,7 +217,7 @@ class LLMEngine(EngineDescription):
         generated here: sampling, stop checks and the text go on after it."""
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         core = EngineCoreRequest.of(
-            request_id, prompt, params or SamplingParams(),
+            self.tokenizer, request_id, prompt, params or SamplingParams(),
             arrival_time if arrival_time is not None else time.time(), cache_salt=cache_salt,
             lora_request=lora_request, priority=priority, resumed=resumed,
         )  # fmt: skip
@@ -222,12 +229,16 @@ class LLMEngine(EngineDescription):
         """Queue a request made already (what add_request makes; the async engine and the
         engine process take theirs so); `delta` and `grammar` as in add_request."""
         request_id = core.request_id
-        if request_id in self.output_processor.states or self.scheduler.is_id_in_use(request_id):
+        processor = self.output_processor
+        in_use = processor is not None and request_id in processor.states
+        if in_use or self.scheduler.is_id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.input_processor.process(core, grammar)
         if core.resumed is not None:
             _resume(request, core.resumed)
-        self.output_processor.add_request(request.group, delta, core.resumed)
+        if processor is not None:
+            processor.add_request(core, delta)
+        self.output_builder.add_request(request.group)
         self.scheduler.add_request(request)
         return request_id
 
@@ -244,11 +255,25 @@ class LLMEngine(EngineDescription):
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._abort_in_scheduler(ids)
-        self.output_processor.remove(ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.output_builder.remove(ids)
+        if self.output_processor is not None:
+            self.output_processor.remove(ids)
 
-    def _abort_in_scheduler(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def finish_sample(self, request_id: str, index: int | None) -> None:
+        """The output processor ended sample `index` of a request (a stop string matched; its
+        blocks are freed, its later tokens were never wanted), or the whole request (None)."""
+        group = self.scheduler.requests.get(request_id)
+        if group is None:
+            return
+        if index is None:
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        else:
+            seq = next((s for s in group.seqs if s.sample_index == index), None)
+            if seq is not None:
+                self.scheduler.finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+        if request_id not in self.scheduler.requests:  # its last sequence ended
+            self.output_builder.remove([request_id])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -270,13 +295,18 @@ class LLMEngine(EngineDescription):
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return an output for every request that advanced
         (requests with best_of > n or beam search only once they finish)."""
+        return self.output_processor.process(self.step_core())
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and report what happened to every request that
+        advanced, in token ids."""
         self.check_workers()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.preempted_request_ids:
             self._warn_preemption()
         if scheduler_output.is_empty:
             return []
-        self.output_processor.mark_scheduled(scheduler_output, time.time())
+        self.output_builder.mark_scheduled(scheduler_output, time.time())
         for seq in scheduler_output.scheduled_requests:
             start = seq.num_computed_tokens
             end = start + scheduler_output.num_scheduled_tokens[seq.seq_id]
@@ -290,13 +320,25 @@ class LLMEngine(EngineDescription):
         ) + len(runner_output.beam_candidates)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
-        return self.output_processor.process(scheduler_output, runner_output, groups)
+        outputs, failed = self.output_builder.build(
+            scheduler_output, runner_output, groups, time.time()
+        )
+        return outputs + [self._fail(group, e) for group, e in failed]
 
-    def _fail_lora(self, error: LoRALoadError) -> list[RequestOutput]:
+    def _fail(self, group, error: Exception) -> EngineCoreOutput:
+        """Stop one request whose output could not be made: its blocks are freed, and its final
+        output carries the error. (A failure in the batched model run is not tied to one
+        request: it propagates, and the engine stops.)"""
+        request_id = group.request_id
+        logger.error("request %s failed: %r", request_id, error, exc_info=error)
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        return self.output_builder.fail(group, f"request {request_id} failed: {error!r}")
+
+    def _fail_lora(self, error: LoRALoadError) -> list[EngineCoreOutput]:
         """Fail every request of an adapter that can no longer be read; the others run in the
         next step (their scheduled tokens are scheduled again)."""
         groups = [g for g in self.scheduler.requests.values() if g.lora_int_id == error.lora_int_id]
-        return [self.output_processor.fail(g, error) for g in groups]
+        return [self._fail(g, error) for g in groups]
 
     def _warn_preemption(self) -> None:
         """Like vLLM: the first preemption and every 50th after it are logged."""
@@ -318,7 +360,7 @@ class LLMEngine(EngineDescription):
         scheduler = self.scheduler
         kv = scheduler.kv_cache_manager
         num_cpu = kv.num_cpu_blocks
-        outputs = self.output_processor
+        outputs = self.output_builder
         return {
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,

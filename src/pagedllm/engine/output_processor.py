@@ -1,9 +1,13 @@
-"""From what a step did to the requests to RequestOutputs: detokenizing with stop strings,
-logprobs with their decoded tokens, prompt logprobs, and the n / best_of / beam-search outputs;
-plus each request's timing (queued, first scheduled, first and last token, finished).
+"""The server's side of a request's outputs: from the engine's EngineCoreOutputs (token ids,
+engine/core_output.py) to RequestOutputs: detokenizing with stop strings, logprobs with their
+decoded tokens, prompt logprobs, the n / best_of / beam-search outputs, whole or delta outputs,
+and each request's timing. It runs where the request came in: in the server's process when the
+engine has its own (engine/core_client.py), beside the engine otherwise (LLMEngine.step).
 
-Work here is per request: a failure (a tokenizer that raises, a broken grammar) fails that
-request alone; it is aborted and its final output carries the error."""
+A stop string is found here, so the sequence it ends is stopped here, and the engine told
+(`finish`): a request with no sequence left goes, the engine's later tokens for a stopped
+sequence are dropped. Work here is per request: a failure (a tokenizer that raises) fails that
+request alone; the engine is told to drop it, and its final output carries the error."""
 
 from __future__ import annotations
 
@@ -12,206 +16,287 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
-    ModelRunnerOutput,
     PoolingOutput,
     PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
     ResumedOutput,
+    TokenLogprobs,
 )
-from pagedllm.request import Request, RequestStatus, SequenceGroup
 
 logger = logging.getLogger("pagedllm")
+
+# finish(request_id, sample index): a stop string ended that sample; None: the whole request
+# is done (or failed) here, and the engine drops it.
+Finish = Callable[[str, int | None], None]
+
+
+@dataclass
+class Sample:
+    """One sequence's output so far."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    num_sent: int = 0  # tokens already output (delta)
+    advanced: bool = False  # since the last output
 
 
 @dataclass
 class RequestState:
-    """Output-side state of one request (sequence group), per sequence where it differs."""
-
-    group: SequenceGroup
+    request: EngineCoreRequest
     delta: bool
     metrics: RequestMetrics
-    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
-    num_sent: dict[str, int] = field(default_factory=dict)  # tokens already output (delta)
+    samples: dict[int, Sample] = field(default_factory=dict)
     # prompt_logprobs by prompt position (a recomputed prompt overwrites the same values).
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
 
+    @property
+    def params(self):
+        return self.request.sampling_params
+
+    def done(self) -> bool:
+        """Every sequence of the request has ended (by the engine or a stop string here)."""
+        samples = self.samples.values()
+        num = self.params.num_sequences
+        return len(self.samples) == num and all(s.finish_reason is not None for s in samples)
+
 
 class OutputProcessor:
-    def __init__(
-        self,
-        tokenizer,
-        finish_seq: Callable[[Request, RequestStatus], None],
-        abort: Callable[[list[str]], None],
-    ) -> None:
-        """`finish_seq` ends a sequence whose stop string matched, `abort` whole requests
-        (the scheduler's, which frees their blocks)."""
+    def __init__(self, tokenizer, finish: Finish) -> None:
         self.tokenizer = tokenizer
-        self._finish_seq = finish_seq
-        self._abort = abort
+        self._finish = finish
         self.states: dict[str, RequestState] = {}
-        # Requests that got their first token, and the sum of their times to it (a mean TTFT
-        # over any interval from two readings).
-        self.num_first_tokens_total = 0
-        self.time_to_first_token_seconds_total = 0.0
 
-    def add_request(
-        self, group: SequenceGroup, delta: bool, resumed: ResumedOutput | None = None
-    ) -> None:
-        """`resumed`: the output a lost engine had handed out already (its tokens are in the
-        group's sequence): neither its tokens nor its text are output again."""
-        metrics = RequestMetrics(arrival_time=group.arrival_time)
-        state = RequestState(group, delta, metrics)
-        self.states[group.request_id] = state
+    def add_request(self, request: EngineCoreRequest, delta: bool) -> None:
+        """A resumed request's tokens (`request.resumed`, a lost engine's) count as handed
+        out, with the text they made but for a tail that could still start a stop string."""
+        state = RequestState(request, delta, RequestMetrics(arrival_time=request.arrival_time))
+        self.states[request.request_id] = state
+        resumed = request.resumed
         if resumed is not None and resumed.token_ids:
-            seq = group.first
-            state.num_sent[seq.seq_id] = len(resumed.token_ids)
-            if self.tokenizer is not None:
-                detokenizer = self._detokenizer(state, seq)
-                detokenizer.update(list(resumed.token_ids))
-                detokenizer.mark_sent(resumed.num_text_chars)
+            sample = self._sample(state, 0)
+            sample.token_ids = list(resumed.token_ids)
+            sample.num_sent = len(resumed.token_ids)
+            sample.logprobs = [None] * len(resumed.token_ids)
+            sample.cumulative_logprob = resumed.cumulative_logprob
+            if sample.detokenizer is not None:
+                sample.detokenizer.update(list(resumed.token_ids))
+                sample.detokenizer.get_next_output_text(finished=False, delta=True)
+
+    def resumed_output(self, request_id: str) -> ResumedOutput | None:
+        """What another engine resumes a single-sequence request from (None: the start)."""
+        state = self.states.get(request_id)
+        sample = state.samples.get(0) if state is not None else None
+        if sample is None or not sample.token_ids:
+            return None
+        return ResumedOutput(list(sample.token_ids), sample.cumulative_logprob)
+
+    def start_over(self, request_id: str) -> None:
+        """A request that cannot resume runs again from the start (nothing was handed out)."""
+        state = self.states.get(request_id)
+        if state is not None:
+            state.samples.clear()
+            state.prompt_logprobs.clear()
 
     def remove(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.states.pop(request_id, None)
 
-    def mark_scheduled(self, so: SchedulerOutput, now: float) -> None:
-        for seq in so.scheduled_requests:
-            metrics = self.states[seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-
-    def process(
-        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, groups: list[SequenceGroup]
-    ) -> list[RequestOutput]:
-        """An output for every group that advanced (best_of > n and beam search only once
-        finished); the failed requests' outputs first."""
-        failed: dict[str, RequestOutput] = {}
-        if runner_output.prompt_logprobs:
-            request_ids = {s.seq_id: s.request_id for s in so.scheduled_requests}
-            for seq_id, records in runner_output.prompt_logprobs.items():
-                state = self.states.get(request_ids[seq_id])
-                if state is None:
-                    continue
-                try:
-                    for position, record in records:
-                        state.prompt_logprobs[position] = self._logprob_dict(record)
-                except Exception as e:  # noqa: BLE001 - fails this request only
-                    failed[state.group.request_id] = self._fail(state.group, e)
-
+    def process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """An output for every request that advanced (best_of > n and beam search only once
+        finished); an error output for a request that failed."""
         now = time.time()
-        for group in groups:
-            state = self.states.get(group.request_id)
+        results = []
+        for output in outputs:
+            state = self.states.get(output.request_id)
             if state is None:
-                continue
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-                self.num_first_tokens_total += 1
-                self.time_to_first_token_seconds_total += max(0.0, now - group.arrival_time)
-            state.metrics.last_token_time = now
-            if not group.is_beam_search and group.first.pooling_params is None:
-                try:
-                    self._process_samples(state)
-                except Exception as e:  # noqa: BLE001 - fails this request only
-                    failed[group.request_id] = self.fail(group, e)
-        outputs = list(failed.values())
-        for group in groups:
-            state = self.states.get(group.request_id)
-            if state is None:
-                continue
+                continue  # aborted, or ended here by a stop string
             try:
-                output = self._make_output(state, now)
+                result = self._process(state, output, now)
             except Exception as e:  # noqa: BLE001 - fails this request only
-                output = self.fail(group, e)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+                result = self.fail(output.request_id, e)
+            if result is not None:
+                results.append(result)
+        return results
 
-    def fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
-        """Stop one request whose output processing raised: its blocks are freed, and its
-        final output carries the error. The batch's other requests go on. (A failure in the
-        batched model run or sampler is not tied to one request: it propagates, and the async
-        engine stops.)"""
-        request_id = group.request_id
-        logger.error("request %s failed: %r", request_id, error, exc_info=error)
-        self._abort([request_id])
-        self.states.pop(request_id, None)
-        first = group.first
-        return RequestOutput(
-            request_id=request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[],
-            finished=True,
-            error=f"request {request_id} failed: {error!r}",
-        )
+    def fail(self, request_id: str, error: Exception | str) -> RequestOutput:
+        """Stop one request (the engine drops it): its final output carries the error."""
+        state = self.states.pop(request_id)
+        if isinstance(error, Exception):
+            logger.error("request %s failed: %r", request_id, error, exc_info=error)
+            self._finish(request_id, None)
+            error = f"request {request_id} failed: {error!r}"
+        request = state.request
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, [], True,
+                             error=error)  # fmt: skip
 
-    def _process_samples(self, state: RequestState) -> None:
-        """Detokenize each sequence's new tokens; a matched stop string ends that sequence."""
-        group = state.group
-        for seq in [*group.seqs, *group.finished_seqs]:
-            if self.tokenizer is not None:
-                self._detokenize(state, seq)
-            if seq.sampling_params.logprobs is not None:
-                self._convert_logprobs(state, seq)
-
-    def _detokenize(self, state: RequestState, seq: Request) -> None:
-        """The sequence's new text; a stop string that matched ends it there. Of several
-        tokens a step accepted (speculative decoding), those after the match are dropped, so
-        the output is what decoding them one by one would have given."""
-        detokenizer = self._detokenizer(state, seq)
-        if seq.grammar is not None and seq.grammar.error is not None:
-            raise RuntimeError(f"the structured output grammar failed: {seq.grammar.error}")
-        new_token_ids = seq.output_token_ids[detokenizer.num_tokens :]
-        if not new_token_ids:
-            return
-        # An EOS or stop token that ended the sequence is not part of the text (a token that
-        # completed a structured output, also a stop, is).
-        by_token = seq.status == RequestStatus.FINISHED_STOPPED and (
-            seq.stop_reason is not None or seq.output_token_ids[-1] in seq.eos_token_ids
-        )
-        if len(new_token_ids) == 1 or not detokenizer.stop:
-            stop = detokenizer.update(new_token_ids, stop_terminated=by_token)
+    def _process(self, state: RequestState, output: EngineCoreOutput, now: float):
+        metrics = state.metrics
+        if output.first_token_time is not None and metrics.first_token_time is None:
+            # (a resumed request keeps the first times of its first engine)
+            metrics.first_scheduled_time = output.first_scheduled_time
+            metrics.first_token_time = output.first_token_time
+        metrics.last_token_time = now
+        request_id = output.request_id
+        if output.error is not None:
+            return self.fail(request_id, output.error)
+        request = state.request
+        if output.pooled is not None:
+            pooled = PoolingRequestOutput(
+                request_id, request.prompt, request.prompt_token_ids,
+                PoolingOutput(_tensor(output.pooled)), metrics=metrics,
+            )  # fmt: skip
+            metrics.finished_time = now
+            del self.states[request_id]
+            return pooled
+        for position, record in output.prompt_logprobs or ():
+            state.prompt_logprobs[position] = self._logprob_dict(record)
+        params = state.params
+        if output.beams is not None:
+            completions = [self._beam(i, b, params) for i, b in enumerate(output.beams)]
+            return self._request_output(state, completions, now)
+        stopped = []
+        for delta in output.samples:
+            sample = self._sample(state, delta.index)
+            if sample.finish_reason is None:  # else: stopped here, a later token of the engine
+                if self._append(sample, delta, params) and delta.finish_reason is None:
+                    stopped.append(sample.index)  # the engine still runs it
+        finished = state.done()
+        if not output.finished and stopped:
+            for index in [None] if finished else stopped:
+                self._finish(request_id, index)
+        samples = sorted(state.samples.values(), key=lambda s: s.index)
+        if params.num_sequences > params.n:
+            if not finished:
+                return None  # the best n are known only at the end
+            ranked = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
+            completions = [self._completion(state, s, i, True) for i, s in enumerate(ranked)]
         else:
-            for i, token_id in enumerate(new_token_ids):
-                last = i == len(new_token_ids) - 1
-                stop = detokenizer.update([token_id], stop_terminated=by_token and last)
-                if stop is not None:
-                    break
-        if stop is None:
-            return
-        if detokenizer.num_tokens < seq.num_output_tokens:
-            seq.truncate_output(detokenizer.num_tokens)
-            if seq.is_finished():  # by a later token, now dropped
-                seq.status = RequestStatus.FINISHED_STOPPED
-                seq.stop_reason = stop
-        if not seq.is_finished():
-            seq.stop_reason = stop
-            self._finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+            if state.delta:  # only the sequences that advanced since the last output
+                samples = [s for s in samples if s.advanced]
+            completions = [self._completion(state, s, s.index, finished) for s in samples]
+        return self._request_output(state, completions, now, finished)
 
-    def _detokenizer(self, state: RequestState, seq: Request) -> IncrementalDetokenizer:
-        detokenizer = state.detokenizers.get(seq.seq_id)
-        if detokenizer is None:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer.backend, seq.prompt_token_ids, seq.sampling_params
-            )
-            state.detokenizers[seq.seq_id] = detokenizer
-        return detokenizer
+    def _sample(self, state: RequestState, index: int) -> Sample:
+        sample = state.samples.get(index)
+        if sample is None:
+            sample = state.samples[index] = Sample(index)
+            if self.tokenizer is not None:
+                sample.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer.backend, state.request.prompt_token_ids, state.params
+                )
+        return sample
 
-    def _convert_logprobs(self, state: RequestState, seq: Request) -> list[dict[int, Logprob]]:
-        converted = state.logprobs.setdefault(seq.seq_id, [])
-        for record in seq.output_logprobs[len(converted) :]:
-            # None: a resumed token, its logprobs handed out by the engine before
-            converted.append(None if record is None else self._logprob_dict(record))
-        return converted
+    def _append(self, sample: Sample, delta: SampleDelta, params) -> bool:
+        """Take the engine's new tokens; True when a stop string ended the sequence here. Of
+        several tokens a step accepted (speculative decoding), those after the match are
+        dropped, so the output is what decoding them one by one would have given."""
+        token_ids = delta.token_ids
+        stop = None
+        detokenizer = sample.detokenizer
+        if detokenizer is not None:
+            before = detokenizer.num_tokens
+            if len(token_ids) == 1 or not detokenizer.stop:
+                stop = detokenizer.update(token_ids, stop_terminated=delta.stop_token)
+            else:
+                for i, token_id in enumerate(token_ids):
+                    last = i == len(token_ids) - 1
+                    stop = detokenizer.update([token_id], delta.stop_token and last)
+                    if stop is not None:
+                        break
+            num_kept = detokenizer.num_tokens - before
+        else:
+            num_kept = len(token_ids)
+        sample.advanced = True
+        sample.token_ids += token_ids[:num_kept]
+        if delta.cumulative_logprobs is not None:
+            sample.cumulative_logprob = delta.cumulative_logprobs[num_kept - 1]
+        if params.logprobs is not None:
+            records = delta.logprobs[:num_kept]
+            sample.logprobs += [self._logprob_dict(r) for r in records]
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            return True
+        sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+        return False
 
-    def _logprob_dict(self, record) -> dict[int, Logprob]:
+    def _completion(
+        self, state: RequestState, sample: Sample, index: int, finished: bool
+    ) -> CompletionOutput:
+        params = state.params
+        text = ""
+        if sample.detokenizer is not None:
+            ended = finished or sample.finish_reason is not None
+            text = sample.detokenizer.get_next_output_text(ended, state.delta)
+        token_ids = sample.token_ids
+        logprobs = sample.logprobs if params.logprobs is not None else None
+        if state.delta:
+            token_ids = token_ids[sample.num_sent :]
+            logprobs = logprobs[sample.num_sent :] if logprobs is not None else None
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        sample.num_sent = len(sample.token_ids)
+        sample.advanced = False
+        ranked = params.logprobs is not None or params.num_sequences > params.n
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=sample.cumulative_logprob if ranked else None,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+    def _request_output(
+        self, state: RequestState, completions: list, now: float, finished: bool = True
+    ) -> RequestOutput:
+        request = state.request
+        prompt_logprobs = None
+        if state.params.prompt_logprobs is not None:
+            # vLLM's shape: None for the first prompt token, then one dict per prompt token.
+            positions = range(1, len(request.prompt_token_ids))
+            prompt_logprobs = [None, *(state.prompt_logprobs.get(p) for p in positions)]
+        if finished:
+            state.metrics.finished_time = now
+            del self.states[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _beam(self, index: int, beam: BeamOutput, params) -> CompletionOutput:
+        token_ids = beam.token_ids
+        text_ids = token_ids
+        if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+            text_ids = token_ids[:-1]
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
+        logprobs = None
+        if beam.logprobs is not None:
+            logprobs = [self._logprob_dict(r) for r in beam.logprobs]
+        return CompletionOutput(index, text, list(token_ids), beam.cumulative_logprob, logprobs,
+                                beam.finish_reason, beam.stop_reason)  # fmt: skip
+
+    def _logprob_dict(self, record: TokenLogprobs) -> dict[int, Logprob]:
         decode = self._decode_token
         entry = {record.token_id: Logprob(record.logprob, record.rank, decode(record.token_id))}
         for rank, (token_id, logprob) in enumerate(record.top, start=1):
@@ -223,104 +308,8 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _make_output(
-        self, state: RequestState, now: float
-    ) -> RequestOutput | PoolingRequestOutput | None:
-        group = state.group
-        params = group.sampling_params
-        finished = group.is_finished()
-        if finished:
-            state.metrics.finished_time = now
-            del self.states[group.request_id]
-        first = group.first
-        if first.pooling_params is not None:  # finished: pooled when its prompt was computed
-            return PoolingRequestOutput(
-                group.request_id, first.prompt, first.prompt_token_ids,
-                PoolingOutput(first.pooled), metrics=state.metrics,
-            )  # fmt: skip
-        if group.is_beam_search:
-            if not finished:
-                return None
-            completions = self._beam_outputs(group)
-        elif params.num_sequences > params.n:
-            if not finished:
-                return None  # the best n are known only at the end
-            ranked = sorted(group.finished_seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
-            completions = [self._completion(state, s, i, True) for i, s in enumerate(ranked)]
-        else:
-            seqs = sorted([*group.seqs, *group.finished_seqs], key=lambda s: s.sample_index)
-            if state.delta:  # only the sequences that advanced since the last output
-                seqs = [s for s in seqs if s.num_output_tokens > state.num_sent.get(s.seq_id, 0)]
-            completions = [self._completion(state, s, s.sample_index, finished) for s in seqs]
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            # vLLM's shape: None for the first prompt token, then one dict per prompt token.
-            positions = range(1, first.num_prompt_tokens)
-            prompt_logprobs = [None, *(state.prompt_logprobs.get(p) for p in positions)]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=state.metrics,
-            prompt_logprobs=prompt_logprobs,
-        )
 
-    def _completion(
-        self, state: RequestState, seq: Request, index: int, finished: bool
-    ) -> CompletionOutput:
-        params = seq.sampling_params
-        detokenizer = state.detokenizers.get(seq.seq_id)
-        text = ""
-        if detokenizer is not None:
-            text = detokenizer.get_next_output_text(finished or seq.is_finished(), state.delta)
-        token_ids = seq.output_token_ids
-        logprobs = state.logprobs.get(seq.seq_id) if params.logprobs is not None else None
-        if state.delta:
-            sent = state.num_sent.get(seq.seq_id, 0)
-            token_ids = token_ids[sent:]
-            logprobs = logprobs[sent:] if logprobs is not None else None
-        else:
-            token_ids = list(token_ids)
-        state.num_sent[seq.seq_id] = seq.num_output_tokens
-        ranked = params.logprobs is not None or params.num_sequences > params.n
-        return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=seq.cumulative_logprob if ranked else None,
-            logprobs=logprobs,
-            finish_reason=seq.status.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+def _tensor(data: bytes):
+    import torch
 
-    def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
-        """The n best finished hypotheses, best first."""
-        params = group.sampling_params
-        completions = []
-        for i, hyp in enumerate(group.beam.finished[: params.n]):
-            token_ids = hyp.output_token_ids
-            text_ids = token_ids
-            if hyp.finish_reason == "stop" and not params.include_stop_str_in_output:
-                text_ids = token_ids[:-1]
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(
-                    text_ids, skip_special_tokens=params.skip_special_tokens
-                )
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = [self._logprob_dict(r) for r in hyp.logprobs]
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=list(token_ids),
-                    cumulative_logprob=hyp.cumulative_logprob,
-                    logprobs=logprobs,
-                    finish_reason=hyp.finish_reason,
-                    stop_reason=hyp.stop_reason,
-                )
-            )
-        return completions
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
