@@ -276,6 +276,24 @@ def test_step_with_as_many_fork_rows_as_beam_rows_samples_the_right_logits(tiny)
     check_pool(llm)
 
 
+@pytest.mark.parametrize("delta", [False, True])
+def test_beam_search_has_one_output_when_it_finishes(tiny, delta):
+    """Beams are ranked only at the end: no output before it (not even an empty one), where the
+    beam width equals n and where it exceeds it."""
+    path, _ = tiny
+    engine = make_llm(path).llm_engine
+    for best_of in (None, 3):
+        params = SamplingParams(n=2, best_of=best_of, use_beam_search=True, temperature=0,
+                                max_tokens=5, ignore_eos=True)  # fmt: skip
+        engine.add_request("beam", {"prompt_token_ids": BEAM_PROMPTS["a"]}, params, delta=delta)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        (output,) = outputs
+        assert output.finished and [c.index for c in output.outputs] == [0, 1]
+        assert all(len(c.token_ids) == 5 for c in output.outputs)
+
+
 @pytest.fixture(scope="module")
 def large_pool(tiny):
     """The mixed requests' outputs with a pool large enough for all at once, per block size."""

@@ -166,6 +166,8 @@ class OutputProcessor:
         if output.beams is not None:
             completions = [self._beam(i, b, params) for i, b in enumerate(output.beams)]
             return self._request_output(state, completions, now)
+        if params.use_beam_search:
+            return None  # its one output comes when it finishes
         stopped = []
         for delta in output.samples:
             sample = self._sample(state, delta.index)
