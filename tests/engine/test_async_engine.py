@@ -174,3 +174,27 @@ def test_shutdown_aborts_what_is_in_flight(tiny):
     asyncio.run(main())
     assert not aengine._thread.is_alive()
     assert idle_and_clean(aengine.engine)
+
+
+def test_a_request_made_by_the_caller_is_taken_whole_and_a_bad_prompt_leaks_no_stream(tiny):
+    """The serving layer makes the EngineCoreRequest (engine/core_request.py) and generate takes
+    it as it is; a prompt that cannot be made into one is a ValueError before any stream is
+    opened, so its id stays free."""
+    import time
+
+    from pagedllm.engine.core_request import EngineCoreRequest
+
+    aengine = AsyncLLMEngine(make_engine(tiny))
+    try:
+        want = asyncio.run(collect(aengine, PROMPTS[0], "plain"))[-1].outputs[0].token_ids
+        made = EngineCoreRequest.of(None, "made", PROMPTS[0], GREEDY, time.time())
+        output = asyncio.run(collect(aengine, made, "made"))[-1]
+        assert output.outputs[0].token_ids == want and output.prompt_token_ids == PROMPTS[0]
+        with pytest.raises(ValueError, match="its own id"):
+            asyncio.run(collect(aengine, made, "another id"))
+        with pytest.raises(ValueError, match="a prompt is a string"):
+            asyncio.run(collect(aengine, {"text": "no such key"}, "bad"))
+        assert "bad" not in aengine._streams
+        assert asyncio.run(collect(aengine, PROMPTS[0], "bad"))[-1].finished
+    finally:
+        aengine.shutdown()

@@ -19,10 +19,9 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 
-from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.core_request import EngineCoreRequest, as_core_request
 from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT, GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.streams import (
@@ -91,7 +90,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams | PoolingParams,
         request_id: str,
         delta: bool = False,
@@ -106,6 +105,10 @@ class AsyncLLMEngine:
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        core = as_core_request(
+            self.engine.tokenizer, prompt, params, request_id,
+            cache_salt=cache_salt, lora_request=lora_request, priority=priority,
+        )  # fmt: skip
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = await self._grammars.compile(params.structured_outputs)
@@ -117,10 +120,6 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self.check_health()
             raise EngineDeadError("the server is shutting down")
-        core = EngineCoreRequest.of(
-            self.engine.tokenizer, request_id, prompt, params, time.time(),
-            cache_salt=cache_salt, lora_request=lora_request, priority=priority,
-        )  # fmt: skip
         self._commands.put(("add", core, delta, grammar))
         try:
             async for output in stream.outputs():

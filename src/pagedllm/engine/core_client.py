@@ -32,7 +32,6 @@ import itertools
 import logging
 import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -41,7 +40,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_launch import EngineLaunch
 from pagedllm.engine.core_proc import Faults
-from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.core_request import EngineCoreRequest, as_core_request
 from pagedllm.engine.core_supervisor import MAX_RESTARTS, RESTART_WINDOW, EngineProcess
 from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
@@ -142,7 +141,7 @@ class EngineCoreClient:
 
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams | PoolingParams,
         request_id: str,
         delta: bool = False,
@@ -152,8 +151,8 @@ class EngineCoreClient:
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncLLMEngine.generate."""
         self.check_health()
-        core = EngineCoreRequest.of(
-            self.engine.tokenizer, request_id, prompt, params, time.time(),
+        core = as_core_request(
+            self.engine.tokenizer, prompt, params, request_id,
             cache_salt=cache_salt, lora_request=lora_request, priority=priority,
         )  # fmt: skip
         try:  # what cannot cross fails here, as bad input; the first send sends this frame

@@ -8,6 +8,7 @@ the request is made, and where it is used."""
 from __future__ import annotations
 
 import operator
+import time
 from typing import Any
 
 import msgspec
@@ -53,6 +54,18 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     @property
     def params(self) -> SamplingParams | PoolingParams:
         return self.pooling_params if self.pooling_params is not None else self.sampling_params
+
+
+def as_core_request(
+    tokenizer, prompt, params: SamplingParams | PoolingParams, request_id: str, **fields
+) -> EngineCoreRequest:
+    """What a client's generate() takes: a request the serving layer made already (`prompt`
+    an EngineCoreRequest, taken whole), else the request of `prompt` made here, now."""
+    if isinstance(prompt, EngineCoreRequest):
+        if prompt.request_id != request_id or prompt.params is not params:
+            raise ValueError("a request made already brings its own id and parameters")
+        return prompt
+    return EngineCoreRequest.of(tokenizer, request_id, prompt, params, time.time(), **fields)
 
 
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.counters import sum_counters
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
@@ -39,9 +40,11 @@ AFFINITY_ENTRIES = 4096
 _MEANS = {"kv_cache_usage", "swap_space_usage"}
 
 
-def prefix_keys(prompt: PromptType) -> list[bytes]:
+def prefix_keys(prompt: PromptType | EngineCoreRequest) -> list[bytes]:
     """Digests of the prompt's leading pieces, longest first (a short prompt: itself)."""
-    if isinstance(prompt, dict):
+    if isinstance(prompt, EngineCoreRequest):
+        prompt = prompt.prompt_token_ids
+    elif isinstance(prompt, dict):
         prompt = prompt.get("prompt_token_ids") or prompt.get("prompt") or ""
     lengths = {*(n for n in AFFINITY_LENGTHS if n < len(prompt)), len(prompt)}
     keys = []
@@ -104,7 +107,7 @@ class DataParallelClient:
                 errors.append(e)
         raise errors[0]
 
-    def pick(self, prompt: PromptType) -> int:
+    def pick(self, prompt: PromptType | EngineCoreRequest) -> int:
         """The replica for a new request: least loaded, then prefix affinity, then in turn."""
         serving = [i for i, r in enumerate(self.replicas) if r.is_running]
         ready = [i for i in serving if not self.replicas[i].is_restarting] or serving
@@ -124,7 +127,7 @@ class DataParallelClient:
         return choice
 
     async def generate(
-        self, prompt: PromptType, params, request_id: str, *args, **kwargs
+        self, prompt: PromptType | EngineCoreRequest, params, request_id: str, *args, **kwargs
     ) -> AsyncIterator[RequestOutput]:
         """As EngineCoreClient.generate, on the replica pick() chooses."""
         if request_id in self._owner:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_info import EngineDescription
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.lora_request import LoRARequest
@@ -39,7 +40,7 @@ class EngineClient(Protocol):
 
     def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams | PoolingParams,
         request_id: str,
         delta: bool = False,
@@ -48,7 +49,8 @@ class EngineClient(Protocol):
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """The request's outputs until it finishes; bad input raises ValueError on the first
-        iteration; leaving early aborts it."""
+        iteration; leaving early aborts it. `prompt`: a prompt, or the request the serving
+        layer made already (an EngineCoreRequest of this id and params, taken whole)."""
 
     def abort(self, request_id: str) -> None: ...
 

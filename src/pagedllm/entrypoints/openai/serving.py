@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_llm_engine import EngineDeadError
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.engine.request_checks import check_fits, check_vocab
 from pagedllm.entrypoints.openai.errors import (
@@ -320,11 +322,22 @@ class OpenAIServing:
         priority: int = 0,
     ) -> list[AsyncIterator[RequestOutput]]:
         self.check_queue(len(prompts))
-        gens = [
-            self.async_engine.generate(
-                prompt, params, f"{request_id}-{i}", delta, lora_request=lora, priority=priority
-            )
+        now = time.time()
+        requests = [
+            EngineCoreRequest.of(
+                self.tokenizer,
+                f"{request_id}-{i}",
+                prompt,
+                params,
+                now,
+                lora_request=lora,
+                priority=priority,
+            )  # fmt: skip
             for i, prompt in enumerate(prompts)
+        ]
+        gens = [
+            self.async_engine.generate(request, params, request.request_id, delta)
+            for request in requests
         ]
         if self.metrics is not None:
             gens = [self.metrics.observe(gen, delta) for gen in gens]
