@@ -1,9 +1,9 @@
 """The messages between the API server and its engine process (engine/core_proc.py and
 engine/core_client.py): msgpack frames over ZMQ sockets, typed with msgspec. Each direction has
 one socket (PUSH to PULL), so messages arrive in the order they were sent. A request travels as
-its typed struct (EngineCoreRequest), the engine's outputs as theirs (EngineCoreOutput: token
-ids); calls' arguments and the counters still travel inside as pickles: both ends run the same
-code, and the sockets are local to the machine and the user."""
+its typed struct (EngineCoreRequest), the engine's outputs and counters as theirs
+(EngineCoreOutput: token ids; EngineStats); calls' arguments and values still travel inside as
+pickles: both ends run the same code, and the sockets are local to the machine and the user."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import msgspec
 
 from pagedllm.engine.core_output import EngineCoreOutput
 from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.stats import EngineStats
 
 # The engine process's exit status when it lost a tensor-parallel worker (not its requests'
 # fault: they are resumed without blame).
@@ -58,7 +59,8 @@ class Stop(msgspec.Struct, tag=True):
 
 class Ready(msgspec.Struct, tag=True):
     pid: int
-    stats: bytes  # as in Outputs
+    stats: EngineStats  # as in Outputs
+    lora_stats: dict[str, Any] | None
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -66,7 +68,8 @@ class Outputs(msgspec.Struct, tag=True):
     engine's counters."""
 
     outputs: list[EngineCoreOutput]
-    stats: bytes  # pickled (get_stats(), lora_stats())
+    stats: EngineStats
+    lora_stats: dict[str, Any] | None  # LLMEngine.lora_stats()
     num_steps: int
 
 

@@ -42,11 +42,11 @@ from pagedllm.engine.core_launch import EngineLaunch
 from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.core_request import EngineCoreRequest, as_core_request
 from pagedllm.engine.core_supervisor import MAX_RESTARTS, RESTART_WINDOW, EngineProcess
-from pagedllm.engine.counters import add_counter
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,
     EngineDeadError,
@@ -63,9 +63,6 @@ logger = logging.getLogger("pagedllm")
 STEP_TIMEOUT = 120.0  # seconds without a finished step, requests in flight: a hung engine
 STARTUP_TIMEOUT = 600.0  # seconds an engine process may take to load its model
 POISON_FAULTS = 2  # blamed failures a request was in flight for before its probation
-# Counters that are gauges (they start over with a new process); the others are summed over
-# the processes.
-_GAUGES = {"num_running", "num_waiting", "num_swapped", "kv_cache_usage", "swap_space_usage"}
 
 
 class EngineCoreClient:
@@ -104,8 +101,8 @@ class EngineCoreClient:
         self.output_processor = OutputProcessor(self.engine.tokenizer, self._finish)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._stats: dict = {}
-        self._carried: dict = {}  # counters of the processes before this one
+        self._stats = EngineStats()
+        self._carried = EngineStats()  # the totals of the processes before this one
         self._state = "starting"  # running | restarting | dead | stopped
         self._start_process(launched)
         self._state = "running"
@@ -193,9 +190,7 @@ class EngineCoreClient:
 
     def get_stats(self) -> dict:
         """The engine's latest counters; totals summed over every engine process so far."""
-        stats = dict(self._stats)
-        for key, base in self._carried.items():
-            stats[key] = add_counter(base, stats.get(key))
+        stats = self._carried.plus(self._stats).as_dict()
         stats["num_engine_restarts_total"] = self.num_restarts
         return stats
 
@@ -277,7 +272,8 @@ class EngineCoreClient:
 
     # -- the engine process ---------------------------------------------------------------------
     def _start_process(self, launched: EngineLaunch | None = None) -> None:
-        self._stats, self.lora_stats = channel.unpack(self._process.start(launched))
+        ready = self._process.start(launched)
+        self._stats, self.lora_stats = ready.stats, ready.lora_stats
 
     # -- the thread: outputs, watching, restarting ---------------------------------------------
     def _run(self) -> None:
@@ -298,7 +294,7 @@ class EngineCoreClient:
         process = self._process
         while (message := process.receive()) is not None:
             if isinstance(message, channel.Outputs):
-                self._stats, self.lora_stats = channel.unpack(message.stats)
+                self._stats, self.lora_stats = message.stats, message.lora_stats
                 process.stepped = process.stepped or message.num_steps > 0
                 if message.outputs:
                     self._deliver(message.outputs)
@@ -396,12 +392,8 @@ class EngineCoreClient:
                 self.output_processor.start_over(request_id)
 
     def _carry_stats(self) -> None:
-        for key, value in self._stats.items():
-            if key in _GAUGES or not isinstance(value, int | float | list):
-                continue
-            self._carried[key] = add_counter(self._carried.get(key), value)
-        # Until the next process reports: nothing running, no counts of its own.
-        self._stats = {k: [] if isinstance(v, list) else 0 for k, v in self._stats.items()}
+        self._carried = self._carried.plus(self._stats.totals())
+        self._stats = EngineStats()  # until the next process reports: nothing running
 
     def _give_up(self, reason: str) -> None:
         logger.error("%s: the engine is not restarted again", reason)

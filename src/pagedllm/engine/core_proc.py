@@ -79,8 +79,8 @@ def run_engine_core(
     if faults is not None and generation > 0:
         faults = Faults(crash_on_token=faults.crash_on_token)  # a hang happens once
     core = EngineCore(engine, inputs, outputs, grammar_compile_timeout, faults)
-    stats = channel.pack((engine.get_stats(), engine.lora_stats()))
-    outputs.send(channel.encode(channel.Ready(os.getpid(), stats)))
+    ready = channel.Ready(os.getpid(), engine.stats(), engine.lora_stats())
+    outputs.send(channel.encode(ready))
     stopping = threading.Event()
     if engine.config.parallel.tensor_parallel_size > 1:
         threading.Thread(target=_watch_workers, args=(engine.executor, stopping),
@@ -261,8 +261,7 @@ class EngineCore:
 
     def _send_outputs(self, step_outputs: list) -> None:
         engine = self.engine
-        stats = (engine.get_stats(), engine.lora_stats())
-        message = channel.Outputs(step_outputs, channel.pack(stats), self.num_steps)
+        message = channel.Outputs(step_outputs, engine.stats(), engine.lora_stats(), self.num_steps)
         self.outputs.send(channel.encode(message))
 
     def _inject_faults(self) -> None:

@@ -49,9 +49,9 @@ class EngineProcess:
         self._num_futile = 0  # processes in a row that failed before any step
         self._restart_times: list[float] = []
 
-    def start(self, launched: EngineLaunch | None = None) -> bytes:
-        """Fresh sockets, the process (or the one `launched` for them), and its Ready's
-        counters; RuntimeError if it exits or fails to start in time."""
+    def start(self, launched: EngineLaunch | None = None) -> channel.Ready:
+        """Fresh sockets, the process (or the one `launched` for them), and its Ready;
+        RuntimeError if it exits or fails to start in time."""
         zmq = self._zmq
         self.generation += 1
         base = f"ipc://{self.socket_dir}/{self.generation}"
@@ -75,7 +75,7 @@ class EngineProcess:
                 if isinstance(message, channel.Ready):
                     self.last_message = time.monotonic()
                     logger.info("engine process %d ready", message.pid)
-                    return message.stats
+                    return message
                 if isinstance(message, channel.Fatal):
                     self.stop(5)
                     raise RuntimeError(message.message)

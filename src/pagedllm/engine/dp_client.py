@@ -29,6 +29,7 @@ from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.counters import sum_counters
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.streams import EngineDeadError
 from pagedllm.outputs import RequestOutput
 
@@ -36,8 +37,6 @@ from pagedllm.outputs import RequestOutput
 # a tokenized one), each remembered for the replica last sent it, up to AFFINITY_ENTRIES.
 AFFINITY_LENGTHS = (32, 128, 512, 2048)
 AFFINITY_ENTRIES = 4096
-# Gauges that are fractions: averaged over the replicas, not summed.
-_MEANS = {"kv_cache_usage", "swap_space_usage"}
 
 
 def prefix_keys(prompt: PromptType | EngineCoreRequest) -> list[bytes]:
@@ -162,7 +161,7 @@ class DataParallelClient:
         """Counters summed over the replicas (fractions averaged)."""
         readings = [r.get_stats() for r in self.replicas]
         stats = sum_counters(readings)
-        for key in _MEANS & stats.keys():
+        for key in EngineStats.MEANS & stats.keys():
             stats[key] /= len(readings)
         return stats
 

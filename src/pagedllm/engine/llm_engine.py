@@ -26,6 +26,7 @@ from pagedllm.engine.kv_events import KVEventPublisher
 from pagedllm.engine.kv_snapshot import kv_snapshot
 from pagedllm.engine.output_builder import OutputBuilder
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.stats import EngineStats
 from pagedllm.executor import Executor, create_executor
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
@@ -356,28 +357,32 @@ class LLMEngine(EngineDescription):
         )  # fmt: skip
 
     def get_stats(self) -> dict[str, float | int]:
-        """Scheduler and KV cache counters (for logs, benchmarks and the metrics endpoint)."""
+        """Scheduler and KV cache counters (for logs, benchmarks and the metrics endpoint):
+        `stats()` as a dict."""
+        return self.stats().as_dict()
+
+    def stats(self) -> EngineStats:
         scheduler = self.scheduler
         kv = scheduler.kv_cache_manager
         num_cpu = kv.num_cpu_blocks
         outputs = self.output_builder
-        return {
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "num_swapped": scheduler.num_swapped,
-            "num_preemptions_total": scheduler.num_preemptions_total,
-            "num_swap_preemptions_total": scheduler.num_swap_preemptions_total,
-            "kv_cache_usage": kv.usage,
-            "swap_space_usage": 1 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_prompt_tokens_total": self.num_prompt_tokens_total,
-            "num_generation_tokens_total": self.num_generation_tokens_total,
-            "num_first_tokens_total": outputs.num_first_tokens_total,
-            "time_to_first_token_seconds_total": outputs.time_to_first_token_seconds_total,
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_swapped=scheduler.num_swapped,
+            num_preemptions_total=scheduler.num_preemptions_total,
+            num_swap_preemptions_total=scheduler.num_swap_preemptions_total,
+            kv_cache_usage=kv.usage,
+            swap_space_usage=1 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_first_tokens_total=outputs.num_first_tokens_total,
+            time_to_first_token_seconds_total=outputs.time_to_first_token_seconds_total,
             **self.executor.block_move_counts(),
             **self._spec_decode_stats(),
-        }
+        )
 
     def lora_stats(self) -> dict | None:
         """The adapters of running and of waiting (or swapped) requests, by name, and the
