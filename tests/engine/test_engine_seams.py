@@ -93,14 +93,14 @@ def test_the_runner_keeps_a_requests_generators_until_it_finishes(tiny):
     seeded = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=4, ignore_eos=True)
     engine.add_request("s", {"prompt_token_ids": PROMPTS[0]}, seeded)
     engine.step()
-    assert set(runner.generators["s"]) == {0, 1}  # one per sample, kept across steps
+    assert set(runner.step_sampler.generators["s"]) == {0, 1}  # one per sample, kept across steps
     while engine.has_unfinished_requests():
         engine.step()
     assert "s" not in engine.scheduler.requests
-    assert "s" in runner.generators  # the runner hears of it with the next step
+    assert "s" in runner.step_sampler.generators  # the runner hears of it with the next step
     engine.add_request("next", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
     engine.step()
-    assert "s" not in runner.generators
+    assert "s" not in runner.step_sampler.generators
     engine.abort_request("next")
 
 
