@@ -115,6 +115,7 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
     goes on serving. Before, the RuntimeError from the closed loop stopped the engine loop."""
     import time
 
+    from pagedllm.engine import core_channel as channel
     from pagedllm.engine.core_request import EngineCoreRequest
     from pagedllm.engine.streams import RequestStream
 
@@ -127,7 +128,8 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
             core = EngineCoreRequest.of(
                 aengine.engine.tokenizer, request_id, prompt, GREEDY, time.time()
             )
-            aengine._commands.put(("add", core, False, None))
+            aengine._deltas[request_id] = False
+            aengine._inbox.put(channel.Add(core))
         outputs = asyncio.run(collect(aengine, PROMPTS[1], "after"))
         assert outputs[-1].finished and aengine.dead_error is None
         # "good" was aborted, its blocks freed
@@ -144,7 +146,7 @@ def test_a_dead_loop_fails_open_streams_and_later_calls(tiny):
     def broken_step():
         raise RuntimeError("injected")
 
-    engine.step = broken_step
+    engine.step_core = broken_step
 
     async def main():
         with pytest.raises(EngineDeadError, match="injected"):

@@ -187,7 +187,7 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     assert texts == expected  # the others finished, their text unchanged
     assert len(faults) == 2 and min(faults) >= 2, faults  # faults hit shared batches
     assert server.wait_idle()["kv_cache_usage"] == 0  # every block back in the pool
-    assert server.engine.is_running and not server.engine.engine.output_processor.states
+    assert server.engine.is_running and not server.engine.output_processor.states
 
 
 def test_offline_a_failing_request_fails_alone_in_the_batch(tiny_model, monkeypatch):

@@ -1,36 +1,41 @@
-"""AsyncLLMEngine: the step loop on one thread, a stream of outputs per request.
+"""AsyncLLMEngine: the engine loop on one thread of this process, a stream of outputs per
+request.
 
-The loop runs on a background thread, or (`start_thread=False`) on whichever thread calls
-`run_loop()`: `pagedllm serve` gives it the main thread and serves HTTP from another, because
-oneDNN's bf16 matmuls run about 1.7x slower off the main thread (docs/performance.md).
-Every engine call happens on the loop's thread: `generate` and `abort` only post commands, which the
-loop applies between two steps. So an abort never lands between scheduling a step and running it
-(the blocks a scheduled step registers in the prefix cache are always written), and the engine
-needs no locks. Outputs reach each request's asyncio queue through its event loop. If a step
-raises, the loop stops, every open stream gets an `EngineDeadError`, and so does every later call.
-A failure tied to one request (adding it, or processing its output) ends that request only, with
-a `RequestFailedError`.
+The loop is EngineCore's (engine/engine_core.py), the same the engine process runs, here with
+a queue for its inbox and this object for its outbox. It runs on a background thread, or
+(`start_thread=False`) on whichever thread calls `run_loop()`: `pagedllm serve
+--no-engine-process` gives it the main thread and serves HTTP from another, because oneDNN's
+bf16 matmuls run about 1.7x slower off the main thread (docs/performance.md). `generate` and
+`abort` only post messages, which the loop applies between two steps. The engine's outputs
+(token ids) become RequestOutputs in this side's output processor (engine/output_processor.py),
+on the loop's thread, and reach each request's asyncio queue through its event loop. If a step
+raises, the loop stops, every open stream gets an `EngineDeadError`, and so does every later
+call. A failure tied to one request (adding it, or processing its output) ends that request
+only, with a `RequestFailedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 
+from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_request import EngineCoreRequest, as_core_request
-from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT, GrammarCompiler
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.streams import (
     MAX_STREAM_BACKLOG,
     EngineDeadError,
     RequestFailedError,
     RequestStream,
 )
-from pagedllm.heap import trim_heap
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -38,6 +43,27 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError"]
+
+
+class QueueInbox:
+    """The loop's messages from this process's threads (no encoding: the objects as sent)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, message) -> None:
+        self.queue.put(message)
+
+    def take(self, timeout: float) -> list:
+        try:
+            messages = [self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                messages.append(self.queue.get_nowait())
+            except queue.Empty:
+                return messages
 
 
 class AsyncLLMEngine:
@@ -49,12 +75,20 @@ class AsyncLLMEngine:
         max_stream_backlog: int = MAX_STREAM_BACKLOG,
     ) -> None:
         """`max_stream_backlog`: unread outputs a request's stream holds before the request is
-        aborted (0: no bound; engine/streams.py)."""
+        aborted (0: no bound; engine/streams.py). The engine's outputs are processed here from
+        now on (its own output processor moves to this object)."""
         self.engine = engine
         self.max_stream_backlog = max_stream_backlog
-        self._grammars = GrammarCompiler(engine.compile_grammar, grammar_compile_timeout)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.output_processor = engine.output_processor or OutputProcessor(
+            engine.tokenizer, engine.finish_sample
+        )
+        engine.output_processor = None
+        self._inbox = QueueInbox()
+        self.core = EngineCore(engine, self._inbox, self, grammar_compile_timeout)
         self._streams: dict[str, RequestStream] = {}
+        self._deltas: dict[str, bool] = {}  # until the loop adds the request
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
         self.dead_error: BaseException | None = None
         self._stopping = False
         self._loop_done = threading.Event()
@@ -109,9 +143,6 @@ class AsyncLLMEngine:
             self.engine.tokenizer, prompt, params, request_id,
             cache_salt=cache_salt, lora_request=lora_request, priority=priority,
         )  # fmt: skip
-        grammar = None
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            grammar = await self._grammars.compile(params.structured_outputs)
         stream = RequestStream(request_id, self.abort, self.max_stream_backlog)
         self._streams[request_id] = stream
         # The loop may have died (or been stopped) between the check above and registering the
@@ -120,7 +151,8 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self.check_health()
             raise EngineDeadError("the server is shutting down")
-        self._commands.put(("add", core, delta, grammar))
+        self._deltas[request_id] = delta
+        self._inbox.put(channel.Add(core))
         try:
             async for output in stream.outputs():
                 yield output
@@ -130,115 +162,94 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._inbox.put(channel.Abort([request_id]))
 
     async def kv_snapshot(self, check: bool = False) -> dict:
         """`LLMEngine.kv_snapshot`, taken by the loop between two steps (the pool is never seen
         half-updated); it waits at most one step."""
+        return await asyncio.wrap_future(self._call("kv_snapshot", check))
+
+    def call_blocking(self, method: str, *args, timeout: float = 120.0):
+        """One of the loop's calls (EngineCore.calls), from a thread that may block."""
+        return self._call(method, *args).result(timeout)
+
+    def _call(self, method: str, *args) -> concurrent.futures.Future:
         self.check_health()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("snapshot", future, check))
-        if self._loop_done.is_set():  # stopped after the check: nobody will take the command
-            self.check_health()
-        return await asyncio.wrap_future(future)
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self._inbox.put(channel.Call(call_id, method, channel.pack(args)))
+        if self._loop_done.is_set():  # stopped after the check: nobody will take the call
+            self._fail_pending_calls()
+        return future
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort whatever is in flight and stop the loop."""
         self._stopping = True
-        self._commands.put(("stop",))
+        self._inbox.put(channel.Stop())
         self._loop_done.wait(timeout)
-        self._grammars.shutdown()
 
     # -- the loop (its own thread) -------------------------------------------------------------
     def run_loop(self) -> None:
         """Step the engine until shutdown() or a failure (the background thread's target, or
         called by the owner with start_thread=False)."""
+        error = EngineDeadError("the engine loop has stopped")
         try:
-            self._run()
-        finally:
-            self.engine.shutdown()  # tensor-parallel workers stop with the loop
-            self._loop_done.set()
-            self._fail_pending_snapshots()
-
-    def _fail_pending_snapshots(self) -> None:
-        """Snapshots asked for after the last command the loop took (their callers wait)."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "snapshot" and command[1].set_running_or_notify_cancel():
-                command[1].set_exception(EngineDeadError("the engine loop has stopped"))
-
-    def _run(self) -> None:
-        engine = self.engine
-        busy = False
-        try:
-            while True:
-                # Block for work when idle; between steps, take whatever has arrived.
-                block = not engine.has_unfinished_requests()
-                if block and busy:
-                    trim_heap()  # the load is gone: give its freed heap pages back
-                busy = not block
-                if not self._apply_commands(block):
-                    return
-                if engine.has_unfinished_requests():
-                    for output in engine.step():
-                        stream = self._streams.get(output.request_id)
-                        if stream is None:
-                            continue
-                        item = output if output.error is None else RequestFailedError(output.error)
-                        if not stream.put(item) and not output.finished:
-                            self._streams.pop(output.request_id, None)
-                            engine.abort_request(output.request_id)
+            self.core.run()
+            error = EngineDeadError("the server is shutting down")
         except BaseException as e:  # noqa: BLE001 - every failure must reach the clients
             logger.exception("the engine loop died")
             self.dead_error = e
             error = EngineDeadError(f"the engine loop died: {e!r}")
+        finally:
+            # A snapshot: the event loops' threads remove streams as their clients leave.
             for stream in list(self._streams.values()):
                 stream.put(error)
+            self.engine.shutdown()  # tensor-parallel workers stop with the loop
+            self._loop_done.set()
+            self._fail_pending_calls()
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply pending commands (waiting for one if `block`); False once told to stop."""
-        engine = self.engine
-        while True:
-            try:
-                command = self._commands.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                if block and not self._stopping:
-                    engine.check_workers()  # idle: a dead worker still stops the loop (/health)
-                    continue
-                return not self._stopping
-            block = False
-            kind = command[0]
-            if kind == "stop":
-                ids = list(engine.scheduler.requests)
-                engine.abort_request(ids)
-                # A snapshot: the event loop's threads remove streams as their clients leave.
-                for stream in list(self._streams.values()):
-                    stream.put(EngineDeadError("the server is shutting down"))
-                return False
-            if kind == "abort":
-                engine.abort_request(command[1])
-                continue
-            if kind == "snapshot":
-                _, future, check = command
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(engine.kv_snapshot(check))
-                    except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
-                        future.set_exception(e)
-                continue
-            _, core, delta, grammar = command
-            request_id = core.request_id
+    def _fail_pending_calls(self) -> None:
+        """Calls made after the last message the loop took (their callers wait)."""
+        for call_id in list(self._calls):
+            future = self._calls.pop(call_id, None)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine loop has stopped"))
+
+    # -- the loop's outbox (on its thread) -----------------------------------------------------
+    def deliver(self, outputs: list, num_steps: int) -> None:
+        for output in self.output_processor.process(outputs):
+            request_id = output.request_id
             stream = self._streams.get(request_id)
             if stream is None:
-                continue  # its client left before the request was added
-            try:
-                engine.add_core_request(core, delta, grammar)
-            except ValueError as e:
-                stream.put(e)
-            except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
-                logger.error("request %s failed: %r", request_id, e, exc_info=e)
-                engine.abort_request(request_id)
-                stream.put(RequestFailedError(f"request {request_id} failed: {e!r}"))
+                continue
+            item = output if output.error is None else RequestFailedError(output.error)
+            if not stream.put(item) and not output.finished:  # a client that reads no more
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+                self.output_processor.remove([request_id])
+
+    def added(self, core: EngineCoreRequest) -> None:
+        self.output_processor.add_request(core, self._deltas.pop(core.request_id, False))
+
+    def reject(self, request_id: str, kind: str, message: str) -> None:
+        self._deltas.pop(request_id, None)
+        self.output_processor.remove([request_id])
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(
+                ValueError(message) if kind == "bad_request" else RequestFailedError(message)
+            )
+
+    def reply(self, call_id: int, ok: bool, value) -> None:
+        future = self._calls.pop(call_id, None)
+        if future is not None and future.set_running_or_notify_cancel():
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(ValueError(value))
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._deltas.pop(request_id, None)
+        self.output_processor.remove(request_ids)
