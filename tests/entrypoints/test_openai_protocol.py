@@ -204,8 +204,9 @@ def test_serve_flags_make_one_server_config():
 def _fake_generate(texts):
     """A stub engine's generate: one token per text piece, finished with "length"."""
 
-    async def generate(prompt, params, request_id, delta=False, cache_salt=None, **engine_args):
-        ids = prompt["prompt_token_ids"]
+    async def generate(request, params, request_id, delta=False, cache_salt=None, **engine_args):
+        assert request.request_id == request_id and request.params is params  # made whole
+        ids = request.prompt_token_ids
         if any(t == 0 for t in ids):
             raise ValueError("token 0 is not allowed here")
         metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5,
