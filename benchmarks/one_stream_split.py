@@ -64,7 +64,7 @@ def replaced(ops, functions: dict):
 
 
 engine = decoding_engine(args)
-if engine.executor.driver_worker.model.model.fused is not None:  # read only: is it fused here?
+if engine.executor.driver_worker.model_runner.fused is not None:  # read only: is it fused here?
     print(f"step with the fused decoder: {step_ms(engine):.2f} ms")
 else:
     print("no fused decoder here")

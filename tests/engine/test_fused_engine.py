@@ -20,7 +20,7 @@ def _generate(quantization: str, enforce_eager: bool):
         quantization=quantization, enforce_eager=enforce_eager, kv_cache_memory="128MiB",
         max_model_len=512, max_num_batched_tokens=512, enable_chunked_prefill=True,
     )  # fmt: skip
-    assert (runner_of(llm.llm_engine).model.model.fused is None) == enforce_eager
+    assert (runner_of(llm.llm_engine).fused is None) == enforce_eager
     params = [SamplingParams(max_tokens=n, temperature=0, logprobs=3, ignore_eos=True)
               for n in (24, 5, 40)]  # fmt: skip
     # A long prompt joins while the others decode (its prefill steps go through the modules).

@@ -25,9 +25,12 @@ class Req:
 
 
 class PagedRunner:
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 128, seed: int = 0):
+    def __init__(
+        self, model, block_size: int = 4, num_blocks: int = 128, seed: int = 0, fused=None
+    ):
+        """`fused`: the model's fused decoder, taken where it applies (as ModelRunner does)."""
         c = model.config
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.fused = model, block_size, fused
         shape = (num_blocks, block_size, head_shard(c).num_kv_heads, c.head_dim)
         # NaN-filled: reading a slot nobody wrote turns the logits into NaN.
         self.kv_caches = [
@@ -87,10 +90,13 @@ class PagedRunner:
         meta = AttentionMetadata.build(
             bs, slot_mapping, [r.block_table for r, _ in sched], [n for _, n in sched], seq_lens
         )
+        input_ids, positions = torch.tensor(input_ids), torch.tensor(positions)
         with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
-            )
+            if self.fused is not None and self.fused.applies(len(input_ids), meta):
+                embedded = self.model.model.embed(input_ids)
+                hidden = self.fused(embedded, positions, self.kv_caches, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
         for r, n in sched:
             r.num_computed_tokens += n
         return hidden

@@ -89,8 +89,8 @@ def tiny_model(dtype, quant_config, **overrides) -> LlamaForCausalLM:
     return model
 
 
-def run(model, prompts, chunk_sizes, max_new_tokens=12):
-    runner = PagedRunner(model, block_size=4, num_blocks=96, seed=1)
+def run(model, prompts, chunk_sizes, max_new_tokens=12, fused=None):
+    runner = PagedRunner(model, block_size=4, num_blocks=96, seed=1, fused=fused)
     reqs = runner.generate(prompts, max_new_tokens, chunk_sizes)
     return [torch.stack(r.logits) for r in reqs], runner.kv_caches
 
@@ -104,26 +104,23 @@ def fused_and_eager(kind, options):
         for module in model.modules():
             if isinstance(getattr(module, "quant_method", None), DualLinearMethod):
                 module.quant_method.max_code_rows = 4
-    fused.fuse_decoder()
-    return eager, fused
+    return eager, fused, fused.fused_decoder()
 
 
 @pytest.mark.parametrize("options", sorted(OPTIONS))
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_fused_decoder_equals_modules(kind, options, monkeypatch):
-    eager, fused = fused_and_eager(kind, options)
+    eager, fused, decoder = fused_and_eager(kind, options)
     calls = []
-    forward = type(fused.model.fused).__call__
-    monkeypatch.setattr(
-        type(fused.model.fused), "__call__", lambda *a: calls.append(1) or forward(*a)
-    )
+    forward = type(decoder).__call__
+    monkeypatch.setattr(type(decoder), "__call__", lambda *a: calls.append(1) or forward(*a))
     # Whole prompts (the modules' prefill), then decode; and 3-token chunks, which the kernel
     # takes, so the fused path runs with several query rows and prefill rows in one step.
     prompts = [[5, 17, 33, 2, 99, 140, 7, 7, 60], [11, 3], [150, 42, 8, 8, 1, 64, 23]]
     for chunk_sizes in (None, [3, 3, 3]):
         expected, expected_kv = run(eager, prompts, chunk_sizes)
         n = len(calls)
-        got, got_kv = run(fused, prompts, chunk_sizes)
+        got, got_kv = run(fused, prompts, chunk_sizes, fused=decoder)
         assert len(calls) > n + 10  # the fused path ran (every decode step)
         for e, g in zip(expected, got, strict=True):
             assert torch.equal(e, g)
@@ -133,19 +130,17 @@ def test_fused_decoder_equals_modules(kind, options, monkeypatch):
 
 
 def test_prefill_and_large_quantized_batches_go_through_the_modules(monkeypatch):
-    _, fused = fused_and_eager("int4", "gqa")
+    _, fused, decoder = fused_and_eager("int4", "gqa")
     calls = []
-    forward = type(fused.model.fused).__call__
-    monkeypatch.setattr(
-        type(fused.model.fused), "__call__", lambda *a: calls.append(1) or forward(*a)
-    )
-    run(fused, [[5, 6, 7, 8, 9, 10, 11, 12]], None, max_new_tokens=1)  # 8 rows: SDPA's prefill
+    forward = type(decoder).__call__
+    monkeypatch.setattr(type(decoder), "__call__", lambda *a: calls.append(1) or forward(*a))
+    run(fused, [[5, 6, 7, 8, 9, 10, 11, 12]], None, 1, decoder)  # 8 rows: SDPA's prefill
     assert calls == []
     # More decode rows than the int4 kernel multiplies directly: the modules expand the weights.
     prompts = [[i + 1] for i in range(MAX_GEMV_ROWS + 1)]
-    run(fused, prompts, None, max_new_tokens=3)
+    run(fused, prompts, None, max_new_tokens=3, fused=decoder)
     assert calls == []
-    run(fused, prompts[:MAX_GEMV_ROWS], None, max_new_tokens=3)
+    run(fused, prompts[:MAX_GEMV_ROWS], None, max_new_tokens=3, fused=decoder)
     assert len(calls) == 3  # one-token prompts, then two decode steps
 
 
@@ -160,8 +155,7 @@ def test_prefill_and_large_quantized_batches_go_through_the_modules(monkeypatch)
 def test_what_cannot_be_fused_says_why(overrides, backend, reason):
     model = LlamaForCausalLM(ModelArchConfig(**{**BASE, **overrides}), backend)
     with pytest.raises(NotFusable, match=reason):
-        model.fuse_decoder()
-    assert model.model.fused is None
+        model.fused_decoder()
 
 
 def test_gemma3_is_not_fused():
@@ -169,4 +163,4 @@ def test_gemma3_is_not_fused():
 
     config = ModelArchConfig(**{**BASE, "architecture": "Gemma3ForCausalLM"})
     with pytest.raises(NotFusable, match="Gemma3Model"):
-        Gemma3ForCausalLM(config, "cpu").fuse_decoder()
+        Gemma3ForCausalLM(config, "cpu").fused_decoder()

@@ -1,6 +1,6 @@
 """Building the model a worker runs: the architecture's class on this rank's shard, in the final
-dtype and weight format, the checkpoint's weights in it, then the post-load steps (prepacking)
-and the fused decoder."""
+dtype and weight format, the checkpoint's weights in it, then the post-load steps (prepacking).
+The worker then makes its fused decoder (models/fused_decoder.py), which its runner takes."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from pagedllm.layers.quantization import (
 )
 from pagedllm.layers.weight_utils import weight_bytes
 from pagedllm.model_loader.loader import load_model
-from pagedllm.models.fused_decoder import NotFusable
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger("pagedllm")
@@ -91,8 +90,6 @@ def build_model(
     loaded.quant_codes.clear()
     num_bytes = process_weights_after_loading(model, quant_config)
     _log_weights(model, method, dtype)
-    if not model_config.enforce_eager and device.type == "cpu":
-        _fuse_decoder(model)
     logger.info(
         "loaded %s in %.1f s (attention backend: %s)",
         model_config.name, time.perf_counter() - t0, attention_backend,
@@ -197,13 +194,3 @@ def _log_int8_act(model: nn.Module, num_bytes: int) -> None:
             "float32 weights (types without an integer kernel): %s",
             ", ".join(kept) if len(kept) <= 8 else f"{len(kept)} layers ({kept[0]}, ...)",
         )
-
-
-def _fuse_decoder(model: nn.Module) -> None:
-    """Decode steps through the fused C++ decoder where the model allows it (CPU)."""
-    try:
-        model.fuse_decoder()
-    except NotFusable as e:
-        logger.info("fused decoder: off (%s)", e)
-        return
-    logger.info("fused decoder: on for decode steps (--enforce-eager turns it off)")

@@ -120,7 +120,7 @@ class BertModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embeddings.LayerNorm.weight.dtype
 
-    def fuse_decoder(self) -> None:
+    def fused_decoder(self):
         raise NotFusable("an encoder (no decode steps)")
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata: AttentionMetadata):

@@ -4,10 +4,12 @@ A single stream's step runs 30 layers of a dozen small kernels each; between the
 views and allocations in Python cost about as much as the kernels (docs/performance.md). The
 fused decoder runs the same kernels in the same order over the same weights (shared, not
 copied), so its output is bit for bit the modules' own. The engine turns it on after loading
-(`--enforce-eager` keeps the modules); LlamaModel.forward takes it for a step when `applies`.
+(`--enforce-eager` keeps the modules); the model runner takes it for a step when `applies`.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -24,6 +26,8 @@ from pagedllm.layers.quantization import (
     Int8LinearMethod,
     UnquantizedLinearMethod,
 )
+
+logger = logging.getLogger("pagedllm")
 
 # Steps whose longest request has fewer new rows than this (decode, short chunks) run fused;
 # prefill chunks go through the modules. It was attention's hand-off to SDPA when the decoder
@@ -135,3 +139,14 @@ class FusedDecoder:
             hidden_states, positions, kv_caches, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, lora_slots,
         )  # fmt: skip
+
+
+def fuse(model: nn.Module) -> FusedDecoder | None:
+    """The model's fused decoder where it has one (CPU), else None; logs which."""
+    try:
+        fused = model.fused_decoder()
+    except NotFusable as e:
+        logger.info("fused decoder: off (%s)", e)
+        return None
+    logger.info("fused decoder: on for decode steps (--enforce-eager turns it off)")
+    return fused

@@ -161,17 +161,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.embedding_multiplier = config.embedding_multiplier
-        self.fused: FusedDecoder | None = None  # LlamaForCausalLM.fuse_decoder sets it
-        self.lora = None  # a LoRAContext (layers/lora.py), with --enable-lora
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden_states = hidden_states * self.embedding_multiplier
-        if self.fused is not None and self.fused.applies(len(input_ids), attn_metadata):
-            mapping = None if self.lora is None else self.lora.mapping
-            lora_slots = None if mapping is None else mapping.row_slots
-            return self.fused(hidden_states, positions, kv_caches, attn_metadata, lora_slots)
+        return hidden_states
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata):
+        hidden_states = self.embed(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -215,13 +213,13 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.dtype  # lm_head may be quantized
 
-    def fuse_decoder(self) -> None:
-        """Run decode steps' layers as one C++ call over the current weights (load and
-        process_weights_after_loading first); raises NotFusable with the reason where it
-        cannot."""
+    def fused_decoder(self) -> FusedDecoder:
+        """The decoder layers as one C++ call over the current weights and LoRA slots (load,
+        process_weights_after_loading and attach slots first), for the runner's decode steps;
+        raises NotFusable with the reason where it cannot."""
         if type(self.model) is not LlamaModel:
             raise NotFusable(f"{type(self.model).__name__} layers")
-        self.model.fused = FusedDecoder(self.model, self.config)
+        return FusedDecoder(self.model, self.config)
 
     def forward(
         self,

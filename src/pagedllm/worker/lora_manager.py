@@ -61,14 +61,15 @@ class LoRAManager:
                 module.input_size_per_partition, module.output_size_per_partition, dtype, device,
             )  # fmt: skip
             self.layers.append((name, module, parts))
-        decoder = getattr(model, "model", None)
-        if decoder is not None and hasattr(decoder, "lora"):
-            decoder.lora = self.context
-            if decoder.fused is not None:  # again, now with the layers' slots
-                model.fuse_decoder()
         self.slot_ids: list[int | None] = [None] * config.max_loras  # adapter id per slot
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recent first
         self.cpu_cache: OrderedDict[int, Packed] = OrderedDict()
+
+    @property
+    def row_slots(self) -> torch.Tensor | None:
+        """Each row's adapter slot this step (None: no adapter rows), for the fused decoder."""
+        mapping = self.context.mapping
+        return None if mapping is None else mapping.row_slots
 
     @property
     def slot_bytes(self) -> int:

@@ -20,6 +20,7 @@ from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import ModelArchConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.step_channel import StepInputs, pairs
+from pagedllm.models.fused_decoder import FusedDecoder
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request
 from pagedllm.sample.step_sampler import StepLogits, StepPlan, StepSampler
@@ -40,6 +41,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         proposer: Proposer | None = None,
         lora: LoRAManager | None = None,
+        fused: FusedDecoder | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -52,6 +54,7 @@ class ModelRunner:
         # Speculative decoding: proposes each sampled request's drafts for the next step.
         self.proposer = proposer
         self.lora = lora  # the model's LoRA slots (--enable-lora)
+        self.fused = fused  # the decoder as one C++ call, for the steps it applies to (CPU)
         self.kv_cache: KVCache | None = None
         # Block copies (copy-on-write, swap) run on the attention backend's kernels.
         self._copy_blocks = get_attention_backend(attention_backend, device).copy_blocks
@@ -82,7 +85,7 @@ class ModelRunner:
         meta = self._attention_metadata(tables, positions, np.zeros(num_tokens, np.int64),
                                         [num_tokens], [num_tokens])  # fmt: skip
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, torch.arange(num_tokens, device=dev), cache.layers, meta)
+        hidden = self._forward(input_ids, torch.arange(num_tokens, device=dev), cache.layers, meta)
         self.model.compute_logits(hidden[: min(num_logits, num_tokens)])
 
     # -- one step ---------------------------------------------------------------------------
@@ -227,7 +230,7 @@ class ModelRunner:
                 self.lora.load(slot, lora_request)
             self.lora.set_mapping(step.lora_slots)
         try:
-            hidden = self.model(input_ids, positions, kv.layers, meta)
+            hidden = self._forward(input_ids, positions, kv.layers, meta)
         finally:
             if self.lora is not None:
                 self.lora.set_mapping(None)
@@ -239,6 +242,16 @@ class ModelRunner:
             self._logits(hidden, step.sample_logits_rows),
             pooling,
         )
+
+    def _forward(self, input_ids, positions, kv_layers, meta) -> torch.Tensor:
+        """The model's hidden states: through the fused decoder where it applies (decode steps,
+        short chunks), else the modules."""
+        fused = self.fused
+        if fused is not None and fused.applies(len(input_ids), meta):
+            row_slots = None if self.lora is None else self.lora.row_slots
+            hidden = self.model.model.embed(input_ids)
+            return fused(hidden, positions, kv_layers, meta, row_slots)
+        return self.model(input_ids, positions, kv_layers, meta)
 
     def _logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor | None:
         """The logits of hidden's `rows`: on rank 0, gathered; elsewhere this rank computes its

@@ -21,6 +21,7 @@ from pagedllm.distributed import step_channel
 from pagedllm.layers.linear import warm_packed_products
 from pagedllm.model_loader.build import build_model
 from pagedllm.model_loader.loader import load_draft_model_config
+from pagedllm.models.fused_decoder import fuse
 from pagedllm.spec_decode import Proposer, make_proposer
 from pagedllm.worker.drafter import DraftModelProposer
 from pagedllm.worker.lora_manager import LoRAManager
@@ -55,6 +56,8 @@ class Worker:
         self.draft_model: torch.nn.Module | None = None  # speculative decoding's draft_model
         self.draft_model_config: ModelConfig | None = None
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots
+        # The decoder stacks as one C++ call (models/fused_decoder.py), where they fuse.
+        self.fused = self.draft_fused = None
 
     def init_device(self) -> None:
         """The seed, this rank's share of the CPU cores, and its GPU (one per rank)."""
@@ -89,6 +92,7 @@ class Worker:
             logger.info("LoRA: %d slots of rank %d, %.0f MiB",
                         self.config.lora.max_loras, self.config.lora.max_lora_rank,
                         self.lora.slot_bytes / 2**20)  # fmt: skip
+        self.fused = self._fuse(self.model)  # after the LoRA slots: it takes theirs too
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model" and self.rank == 0:
             self.draft_model_config = self._draft_model_config(spec)
@@ -96,10 +100,17 @@ class Worker:
                 self.draft_model_config, self.config.load, self.device, self.attention_backend
             )
             self.draft_model = draft.model
+            self.draft_fused = self._fuse(draft.model)
             self.weight_bytes += draft.weight_bytes
             logger.info("draft model: %s (%s), %.0f MiB of weights",
                         self.draft_model_config.name, self.draft_model_config.quantization,
                         draft.weight_bytes / 2**20)  # fmt: skip
+
+    def _fuse(self, model):
+        """Decode steps through the fused C++ decoder where the model allows it (CPU)."""
+        if self.config.model.enforce_eager or self.device.type != "cpu":
+            return None
+        return fuse(model)
 
     def _draft_model_config(self, spec) -> ModelConfig:
         """The draft's model config: the target's, with the draft's weights."""
@@ -134,7 +145,7 @@ class Worker:
         self.model_runner = ModelRunner(
             self.model, m.arch, cache.block_size, self.device, cache_dtype, seed=m.seed,
             attention_backend=self.attention_backend, proposer=self._proposer(cache, cache_dtype),
-            lora=self.lora,
+            lora=self.lora, fused=self.fused,
         )  # fmt: skip
         self._warm_packed_products(scheduler)
         return True
@@ -162,7 +173,7 @@ class Worker:
             return make_proposer(spec)
         runner = ModelRunner(
             self.draft_model, self.draft_model_config.arch, cache.block_size, self.device,
-            cache_dtype, attention_backend=self.attention_backend,
+            cache_dtype, attention_backend=self.attention_backend, fused=self.draft_fused,
         )  # fmt: skip
         return DraftModelProposer(spec, runner, self.config.model.max_model_len)
 
