@@ -35,6 +35,8 @@ from pagedllm.engine.streams import (
     EngineDeadError,
     RequestFailedError,
     RequestStream,
+    rejection,
+    settle,
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -226,8 +228,7 @@ class AsyncLLMEngine:
             item = output if output.error is None else RequestFailedError(output.error)
             if not stream.put(item) and not output.finished:  # a client that reads no more
                 self._streams.pop(request_id, None)
-                self.engine.abort_request(request_id)
-                self.output_processor.remove([request_id])
+                self.abort(request_id)  # taken before the next step
 
     def added(self, core: EngineCoreRequest) -> None:
         self.output_processor.add_request(core, self._deltas.pop(core.request_id, False))
@@ -237,17 +238,10 @@ class AsyncLLMEngine:
         self.output_processor.remove([request_id])
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put(
-                ValueError(message) if kind == "bad_request" else RequestFailedError(message)
-            )
+            stream.put(rejection(kind, message))
 
     def reply(self, call_id: int, ok: bool, value) -> None:
-        future = self._calls.pop(call_id, None)
-        if future is not None and future.set_running_or_notify_cancel():
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(ValueError(value))
+        settle(self._calls.pop(call_id, None), ok, value)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -52,6 +52,8 @@ from pagedllm.engine.streams import (
     EngineDeadError,
     RequestFailedError,
     RequestStream,
+    rejection,
+    settle,
 )
 from pagedllm.engine.tracked_request import TrackedRequest
 from pagedllm.outputs import RequestOutput
@@ -302,16 +304,10 @@ class EngineCoreClient:
                 with self._lock:
                     tracked = self._forget(message.request_id)
                 if tracked is not None:
-                    error_type = ValueError if message.kind == "bad_request" else RequestFailedError
-                    tracked.stream.put(error_type(message.message))
+                    tracked.stream.put(rejection(message.kind, message.message))
             elif isinstance(message, channel.Reply):
                 future = self._calls.pop(message.call_id, None)
-                if future is not None and future.set_running_or_notify_cancel():
-                    value = channel.unpack(message.value)
-                    if message.ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(ValueError(value))
+                settle(future, message.ok, channel.unpack(message.value))
             elif isinstance(message, channel.Fatal):
                 process.fatal = message
 

@@ -1,12 +1,11 @@
 """Structured-output constraints compiled on their own threads, off the engine loop (a large
 schema would otherwise stall every request's steps), each within a time limit: past it the
 request is refused as bad input. llguidance's own resource limits bound the work behind. The
-async engine awaits a compile (compile()); the engine process submits one and looks at it
-between steps (submit(), outcome())."""
+engine loop (engine/engine_core.py) submits one and looks at it between steps (submit(),
+outcome())."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable
@@ -44,15 +43,6 @@ class GrammarCompiler:
             f"the structured-output constraint did not compile within {self.timeout:g} s: "
             "simplify the schema or grammar"
         )
-
-    async def compile(self, structured_outputs: StructuredOutputsParams) -> Grammar:
-        """The constraint compiled; ValueError (bad input) if it does not compile, or not
-        within the time limit (queueing for a thread included)."""
-        work = asyncio.wrap_future(self._pool.submit(self.compile_grammar, structured_outputs))
-        try:
-            return await asyncio.wait_for(work, self.timeout)
-        except TimeoutError:
-            raise self.timed_out() from None
 
     def submit(self, structured_outputs: StructuredOutputsParams) -> Compiling:
         future = self._pool.submit(self.compile_grammar, structured_outputs)

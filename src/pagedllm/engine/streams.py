@@ -30,6 +30,21 @@ class StreamBacklogError(RequestFailedError):
 MAX_STREAM_BACKLOG = 512
 
 
+def rejection(kind: str, message: str) -> Exception:
+    """What a request the engine refused raises in its stream (core_channel.Rejected's kind):
+    bad input a ValueError, a failure on its way in a RequestFailedError."""
+    return ValueError(message) if kind == "bad_request" else RequestFailedError(message)
+
+
+def settle(future, ok: bool, value) -> None:
+    """A call's future from the engine's reply (a refused call: ValueError, its message)."""
+    if future is not None and future.set_running_or_notify_cancel():
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(ValueError(value))
+
+
 class RequestStream:
     """One request's outputs, put from any thread, read on the caller's event loop."""
 
