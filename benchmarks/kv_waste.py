@@ -41,8 +41,8 @@ from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 CLASSES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation")
 # The paper's Figure 2 (OPT-13B, ShareGPT): share of KV memory holding token states. It gives no
@@ -132,7 +132,7 @@ def simulate(
     final_lens = {}
     for i, (prompt, output_len) in enumerate(workload):
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        request = Request(str(i), prompt, params, eos_token_ids=[], arrival_time=float(i))
+        request = Sequence(str(i), prompt, params, eos_token_ids=[], arrival_time=float(i))
         scheduler.add_request(request)
         final_lens[request.request_id] = len(prompt) + output_len
     breakdown = KVSlotBreakdown()

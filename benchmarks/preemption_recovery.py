@@ -45,14 +45,14 @@ def _sync(device) -> None:
 
 def _sequence(context_len: int, vocab: np.ndarray, seed: int):
     """One sequence of `context_len` tokens: a prompt (the first half) and generated tokens."""
-    from pagedllm.request import Request
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sequence import Sequence
 
     rng = np.random.default_rng(seed)
     tokens = vocab[rng.integers(0, vocab.size, size=context_len)].tolist()
     prompt_len = max(1, context_len - context_len // 2)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=context_len)
-    seq = Request(f"preempted-{context_len}", tokens[:prompt_len], params)
+    seq = Sequence(f"preempted-{context_len}", tokens[:prompt_len], params)
     for token_id in tokens[prompt_len:]:
         seq.append_output_token(token_id)
     return seq

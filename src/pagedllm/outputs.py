@@ -31,7 +31,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 @dataclass
 class ModelRunnerOutput:
-    """One step's results, keyed by sequence id (`Request.seq_id`)."""
+    """One step's results, keyed by sequence id (`Sequence.seq_id`)."""
 
     # The tokens drawn for each sampled sequence: one, `num_samples` for a group's first (one
     # per sample), or for a sequence that verified drafts the accepted ones and the next.

@@ -12,8 +12,8 @@ from pagedllm.bench import hf_baseline, throughput, utils
 from pagedllm.bench.throughput import KVUsageTracker, format_table
 from pagedllm.bench.utils import greedy_agreement
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 
 def _parse(argv):
@@ -38,7 +38,7 @@ def test_cli_defaults_and_flags():
 
 
 def _request(request_id, num_prompt):
-    return Request(request_id, list(range(num_prompt)), SamplingParams(max_tokens=8))
+    return Sequence(request_id, list(range(num_prompt)), SamplingParams(max_tokens=8))
 
 
 def test_kv_usage_tracker_counts_blocks_and_held_tokens():

@@ -16,8 +16,8 @@ from pagedllm.core.contiguous_kv_cache_manager import (
 )
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 
 @pytest.mark.parametrize("allocator_class", [BuddyAllocator, FirstFitAllocator])
@@ -68,7 +68,7 @@ def test_first_fit_suffers_external_fragmentation():
 
 def _request(i, prompt_len, output_len):
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    return Request(str(i), list(range(1, prompt_len + 1)), params, [], arrival_time=float(i))
+    return Sequence(str(i), list(range(1, prompt_len + 1)), params, [], arrival_time=float(i))
 
 
 @pytest.mark.parametrize("allocator", ["buddy", "first-fit"])

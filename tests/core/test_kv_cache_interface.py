@@ -10,7 +10,7 @@ from pagedllm.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_interface import Allocation, KVCacheInterface
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.request import Request, RequestStatus
+from pagedllm.sequence import Sequence, SequenceStatus
 from tests.core.test_preemption import SwapRunner
 from tests.core.test_sharing import MIXED, VOCAB, h, make_request, results
 
@@ -70,10 +70,10 @@ def test_the_check_catches_a_drifting_manager():
     class Drifted(ContiguousKVCacheManager):
         fork = None  # gone
 
-        def free(self, request: Request, now: bool = True) -> None:  # a parameter more
+        def free(self, request: Sequence, now: bool = True) -> None:  # a parameter more
             super().free(request)
 
-        def swap_in(self, requests: list[Request]) -> None:  # another return type
+        def swap_in(self, requests: list[Sequence]) -> None:  # another return type
             pass
 
         @property
@@ -101,7 +101,7 @@ class InterfaceOnly:
         return getattr(self._manager, name)
 
 
-def run_through_the_interface(s: Scheduler, runner: SwapRunner, requests: list[Request]):
+def run_through_the_interface(s: Scheduler, runner: SwapRunner, requests: list[Sequence]):
     s.kv_cache_manager = InterfaceOnly(s.kv_cache_manager)  # the runner was built before
     for i, r in enumerate(requests):
         r.arrival_time = float(i)
@@ -120,7 +120,7 @@ def run_through_the_interface(s: Scheduler, runner: SwapRunner, requests: list[R
     return [res[r.request_id] for r in requests]
 
 
-def mixed_requests() -> list[Request]:
+def mixed_requests() -> list[Sequence]:
     return [
         make_request(0, prompt=[1 + h("mixed", i, j) % (VOCAB - 1) for j in range(p)], **kw)
         for i, (p, kw) in enumerate(MIXED)
@@ -189,7 +189,7 @@ def test_is_id_in_use_knows_requests_and_their_forks():
     forks = [q.seq_id for q in r.group.seqs if q is not r]
     assert len(forks) == 2 and all(s.is_id_in_use(f) for f in forks)
     assert not s.is_id_in_use(f"{rid}#9") and not s.is_id_in_use("another")
-    s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+    s.finish_requests([rid], SequenceStatus.FINISHED_ABORTED)
     assert not any(s.is_id_in_use(x) for x in [rid, *forks])
 
 

@@ -11,7 +11,7 @@ import pytest
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import RequestStatus
+from pagedllm.sequence import SequenceStatus
 from tests.core.test_beam_search import run_ours
 from tests.core.test_sharing import (
     MIXED,
@@ -117,8 +117,8 @@ class SwapRunner(FakeRunner):
 
 def check_statuses(s: Scheduler):
     """Every sequence of a group has the group's one status, and the queue agrees with it."""
-    expected = {"running": {RequestStatus.RUNNING}, "swapped": {RequestStatus.SWAPPED},
-                "waiting": {RequestStatus.WAITING, RequestStatus.PREEMPTED}}  # fmt: skip
+    expected = {"running": {SequenceStatus.RUNNING}, "swapped": {SequenceStatus.SWAPPED},
+                "waiting": {SequenceStatus.WAITING, SequenceStatus.PREEMPTED}}  # fmt: skip
     for name, allowed in expected.items():
         for group in getattr(s, name):
             statuses = {q.status for q in group.seqs}
@@ -332,7 +332,7 @@ def test_swapped_group_keeps_its_sharing_through_the_round_trip(kind):
     group = second.group
     step_until(s, runner, lambda: group in s.swapped)
     assert len(group.seqs) == 3 and second.num_output_tokens > 0
-    assert all(q.status == RequestStatus.SWAPPED for q in group.seqs)
+    assert all(q.status == SequenceStatus.SWAPPED for q in group.seqs)
     (event,) = recorder.events
     _, request_id, distinct, logical = event
     assert request_id == group.request_id and distinct < logical  # blocks were shared
@@ -433,7 +433,7 @@ def test_preempted_groups_resume_in_arrival_order_whether_swapped_or_recomputed(
     for r in (a, b, c):
         s.add_request(r)
     step_until(s, runner, lambda: c.group in s.swapped and b.group in s.waiting)
-    assert b.status == RequestStatus.PREEMPTED
+    assert b.status == SequenceStatus.PREEMPTED
     step_until(s, runner, lambda: b.group in s.running or c.group in s.running)
     assert b.group in s.running  # the earlier arrival first (c may follow in the same step)
     run(s, runner)  # `step` checks the order at every step
@@ -453,11 +453,11 @@ def test_abort_of_a_swapped_group_frees_its_swap_blocks():
         s.add_request(r)
     step_until(s, runner, lambda: second.group in s.swapped)
     assert kv.num_free_cpu_blocks < kv.num_cpu_blocks
-    s.finish_requests([second.request_id], RequestStatus.FINISHED_ABORTED)
+    s.finish_requests([second.request_id], SequenceStatus.FINISHED_ABORTED)
     s.check_integrity()
     assert kv.num_free_cpu_blocks == kv.num_cpu_blocks and not kv.swapped_blocks
     assert not s.swapped and second.request_id not in s.requests
-    assert all(q.status == RequestStatus.FINISHED_ABORTED for q in second.group.finished_seqs)
+    assert all(q.status == SequenceStatus.FINISHED_ABORTED for q in second.group.finished_seqs)
     # Nothing is swapped any more: the third request is admitted as soon as it fits.
     run(s, runner)
     assert third.num_output_tokens == 4

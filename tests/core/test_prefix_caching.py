@@ -7,15 +7,15 @@ from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
 
 
-def make_request(prompt, max_tokens=4, arrival=None, salt=None) -> Request:
+def make_request(prompt, max_tokens=4, arrival=None, salt=None) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(
+    return Sequence(
         f"p{next(_ids)}",
         list(prompt),
         params,
@@ -263,7 +263,7 @@ def test_preempted_request_resumes_from_its_own_cached_blocks():
     second = make_request(range(300, 306), max_tokens=8, arrival=2.0)
     s.add_request(first)
     s.add_request(second)
-    while second.status != RequestStatus.PREEMPTED:
+    while second.status != SequenceStatus.PREEMPTED:
         step(s)
     generated = second.num_output_tokens
     kv = s.kv_cache_manager

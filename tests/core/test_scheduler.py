@@ -8,17 +8,17 @@ from pagedllm.core.block_pool import BlockPool, NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
 
 
-def make_request(prompt_len: int, max_tokens: int, arrival: float | None = None) -> Request:
+def make_request(prompt_len: int, max_tokens: int, arrival: float | None = None) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     n = next(_ids)
     # Distinct prompts, so that prefix caching (on by default) shares nothing between requests.
-    return Request(
+    return Sequence(
         f"r{n}",
         [1000 * (n + 1) + i for i in range(prompt_len)],
         params,
@@ -104,7 +104,7 @@ def test_all_requests_finish_with_exact_lengths_and_every_block_returned():
     assert {r.request_id for r in finished} == {r.request_id for r in reqs}
     for r in reqs:
         assert r.num_output_tokens == r.max_tokens
-        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert r.status == SequenceStatus.FINISHED_LENGTH_CAPPED
     assert s.kv_cache_manager.num_free_blocks == 64
 
 
@@ -186,7 +186,7 @@ def test_recompute_reprefills_prompt_plus_output():
     first, second = make_request(8, 8, arrival=1.0), make_request(6, 8, arrival=2.0)
     s.add_request(first)
     s.add_request(second)
-    while second.status != RequestStatus.PREEMPTED:
+    while second.status != SequenceStatus.PREEMPTED:
         step(s)
     generated = second.num_output_tokens
     assert generated > 0 and second.num_computed_tokens == 0
@@ -205,7 +205,7 @@ def test_new_request_waits_behind_preempted_one():
     a, b = make_request(8, 8, arrival=1.0), make_request(8, 8, arrival=2.0)
     s.add_request(a)
     s.add_request(b)
-    while b.status != RequestStatus.PREEMPTED:
+    while b.status != SequenceStatus.PREEMPTED:
         step(s)
     c = make_request(1, 1, arrival=3.0)
     s.add_request(c)
@@ -223,8 +223,8 @@ def test_abort_frees_blocks_running_and_waiting():
     s.add_request(a)
     s.add_request(b)
     step(s)
-    s.finish_requests([a.request_id, b.request_id], RequestStatus.FINISHED_ABORTED)
-    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    s.finish_requests([a.request_id, b.request_id], SequenceStatus.FINISHED_ABORTED)
+    assert a.status == b.status == SequenceStatus.FINISHED_ABORTED
     assert not s.has_unfinished_requests()
     assert s.kv_cache_manager.num_free_blocks == 64
     s.check_integrity()
@@ -232,14 +232,14 @@ def test_abort_frees_blocks_running_and_waiting():
 
 def test_stop_conditions_eos_stop_token_min_tokens_and_max_model_len():
     s = make_scheduler(max_model_len=12)
-    eos = Request("eos", [1, 2], SamplingParams(max_tokens=5), eos_token_ids=[7])
-    stop = Request("stop", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[7]), [99])
-    min_tok = Request("min", [1, 2], SamplingParams(max_tokens=5, min_tokens=3), [7])
-    capped = Request("cap", [1] * 10, SamplingParams(max_tokens=None, ignore_eos=True), [7])
+    eos = Sequence("eos", [1, 2], SamplingParams(max_tokens=5), eos_token_ids=[7])
+    stop = Sequence("stop", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[7]), [99])
+    min_tok = Sequence("min", [1, 2], SamplingParams(max_tokens=5, min_tokens=3), [7])
+    capped = Sequence("cap", [1] * 10, SamplingParams(max_tokens=None, ignore_eos=True), [7])
     for r in (eos, stop, min_tok, capped):
         s.add_request(r)
     run_to_completion(s)
-    assert eos.num_output_tokens == 1 and eos.status == RequestStatus.FINISHED_STOPPED
-    assert stop.stop_reason == 7 and stop.status == RequestStatus.FINISHED_STOPPED
+    assert eos.num_output_tokens == 1 and eos.status == SequenceStatus.FINISHED_STOPPED
+    assert stop.stop_reason == 7 and stop.status == SequenceStatus.FINISHED_STOPPED
     assert min_tok.num_output_tokens == 3
-    assert capped.num_tokens == 12 and capped.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert capped.num_tokens == 12 and capped.status == SequenceStatus.FINISHED_LENGTH_CAPPED

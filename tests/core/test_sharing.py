@@ -12,8 +12,8 @@ import pytest
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
-from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceStatus
 from tests.core.test_beam_search import run_ours, table_model
 
 VOCAB = 50
@@ -26,7 +26,7 @@ def h(*parts) -> int:
 
 
 def make_request(prompt_len, n=1, max_tokens=8, best_of=None, beam=None, ignore_eos=True,
-                 arrival=None, prompt=None, **kwargs) -> Request:  # fmt: skip
+                 arrival=None, prompt=None, **kwargs) -> Sequence:  # fmt: skip
     i = next(_ids)
     if beam is not None:
         params = SamplingParams(n=beam, temperature=0, use_beam_search=True, max_tokens=max_tokens,
@@ -36,7 +36,7 @@ def make_request(prompt_len, n=1, max_tokens=8, best_of=None, beam=None, ignore_
                                 ignore_eos=ignore_eos, **kwargs)  # fmt: skip
     if prompt is None:
         prompt = [1 + h(i, j) % (VOCAB - 1) for j in range(prompt_len)]
-    return Request(f"g{i}", prompt, params, eos_token_ids=[EOS], arrival_time=arrival)
+    return Sequence(f"g{i}", prompt, params, eos_token_ids=[EOS], arrival_time=arrival)
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, budget=64, max_model_len=64,
@@ -151,7 +151,7 @@ def step(s: Scheduler, runner: FakeRunner):
         group = s.requests[request_id]
         assert group in s.waiting and group not in s.running
         for seq in group.seqs:
-            assert seq.status == RequestStatus.PREEMPTED and seq.num_computed_tokens == 0
+            assert seq.status == SequenceStatus.PREEMPTED and seq.num_computed_tokens == 0
             assert seq.seq_id not in kv.req_to_blocks
     groups = s.update_from_output(out, runner.execute(out))
     s.check_integrity()
@@ -433,7 +433,7 @@ def test_preempted_beam_group_resumes_in_lockstep(budget):
     beam = make_request(6, beam=3, max_tokens=12, arrival=2.0)
     s.add_request(first)
     s.add_request(beam)
-    step_until(s, runner, lambda: beam.status == RequestStatus.PREEMPTED)
+    step_until(s, runner, lambda: beam.status == SequenceStatus.PREEMPTED)
     assert len(beam.group.seqs) == 3 and beam.num_output_tokens > 0
     run(s, runner)
     state, _ = run_ours(beam_model, 3, 12, 1.0, False, [])
@@ -448,11 +448,11 @@ def test_preempted_group_releases_every_sequence_and_resumes_together():
     second = make_request(6, n=3, max_tokens=16, arrival=2.0)
     s.add_request(first)
     s.add_request(second)
-    step_until(s, runner, lambda: second.status == RequestStatus.PREEMPTED)
+    step_until(s, runner, lambda: second.status == SequenceStatus.PREEMPTED)
     kv = s.kv_cache_manager
     group = second.group
     assert len(group.seqs) == 3 and group.num_preemptions == 1
-    assert all(q.status == RequestStatus.PREEMPTED for q in group.seqs)
+    assert all(q.status == SequenceStatus.PREEMPTED for q in group.seqs)
     assert not any(q.seq_id in kv.req_to_blocks for q in group.seqs)
     assert s.waiting[0] is group
     while group in s.waiting:
@@ -530,7 +530,7 @@ def test_finish_seq_frees_one_sample_and_the_group_goes_on():
     own = [b for b in kv.get_block_ids(victim.seq_id) if kv.block_pool.blocks[b].ref_cnt == 1]
     assert own  # its copied block and the blocks it grew alone
     free = kv.num_free_blocks
-    s.finish_seq(victim, RequestStatus.FINISHED_STOPPED)
+    s.finish_seq(victim, SequenceStatus.FINISHED_STOPPED)
     s.check_integrity()
     assert kv.num_free_blocks == free + len(own)
     assert victim.seq_id not in kv.req_to_blocks and victim in group.finished_seqs
@@ -551,7 +551,7 @@ def test_samples_stopping_on_eos_including_on_the_first_token():
     stopped = [q for r in requests for q in r.group.finished_seqs if q.output_token_ids[-1] == EOS]
     assert stopped and any(q.num_output_tokens == 1 for q in stopped)
     for q in stopped:
-        assert q.status == RequestStatus.FINISHED_STOPPED
+        assert q.status == SequenceStatus.FINISHED_STOPPED
     assert_all_free(s)
 
 
@@ -569,13 +569,13 @@ def test_abort_frees_running_preempted_and_beam_groups():
             break
     preempted = [g for g in s.waiting if g.num_preemptions]
     assert preempted, "the pool should have forced a preemption"
-    s.finish_requests([g.request_id for g in preempted], RequestStatus.FINISHED_ABORTED)
+    s.finish_requests([g.request_id for g in preempted], SequenceStatus.FINISHED_ABORTED)
     s.check_integrity()
     for g in preempted:
-        assert not g.seqs and all(q.status == RequestStatus.FINISHED_ABORTED
+        assert not g.seqs and all(q.status == SequenceStatus.FINISHED_ABORTED
                                   for q in g.finished_seqs)  # fmt: skip
     step(s, runner)
-    s.finish_requests([r.request_id for r in (a, b, c)], RequestStatus.FINISHED_ABORTED)
+    s.finish_requests([r.request_id for r in (a, b, c)], SequenceStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert_all_free(s)
     out = s.schedule()
@@ -599,7 +599,7 @@ def test_abort_while_the_step_runs(kind):
             step(s, runner)
     out = s.schedule()
     output = runner.execute(out)
-    s.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
+    s.finish_requests([r.request_id], SequenceStatus.FINISHED_ABORTED)
     assert s.update_from_output(out, output) == []
     assert not s.has_unfinished_requests()
     assert len(r.group.seqs) == 0

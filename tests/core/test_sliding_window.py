@@ -14,8 +14,8 @@ from pagedllm.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pagedllm.core.kv_cache_spec import KVCacheSpec, cdiv
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 VOCAB = 40
 _ids = itertools.count()
@@ -83,9 +83,9 @@ class FakeRunner:
         return out
 
 
-def make_request(prompt, max_tokens, n=1) -> Request:
+def make_request(prompt, max_tokens, n=1) -> Sequence:
     params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    return Request(f"r{next(_ids)}", prompt, params, eos_token_ids=[0])
+    return Sequence(f"r{next(_ids)}", prompt, params, eos_token_ids=[0])
 
 
 def run(windows, requests, num_blocks, block_size=4, budget=16, mode="recompute", cpu=0,

@@ -5,7 +5,6 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import (
     Sampler,
@@ -14,12 +13,13 @@ from pagedllm.sample.sampler import (
     apply_top_k_top_p,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 NEG_INF = float("-inf")
 
 
 def req(i=0, prompt=(1, 2, 3), outputs=(), eos=(), **params):
-    r = Request(f"r{i}", list(prompt), SamplingParams(**params), eos_token_ids=list(eos))
+    r = Sequence(f"r{i}", list(prompt), SamplingParams(**params), eos_token_ids=list(eos))
     for t in outputs:
         r.append_output_token(t)
     return r

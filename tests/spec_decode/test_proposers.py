@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pagedllm.config import EngineArgs, SpeculativeConfig
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 from pagedllm.spec_decode import make_proposer
 from pagedllm.spec_decode.ngram import continuation, ngram_match
 from pagedllm.spec_decode.suffix import MAX_CACHED_TOKENS, match_occurrences, walk
@@ -18,11 +18,11 @@ def config(**fields) -> SpeculativeConfig:
     return SpeculativeConfig.parse(fields)
 
 
-def seq(prompt, request_id="r", n=1) -> Request:
-    return Request(request_id, list(prompt), SamplingParams(n=n, max_tokens=100))
+def seq(prompt, request_id="r", n=1) -> Sequence:
+    return Sequence(request_id, list(prompt), SamplingParams(n=n, max_tokens=100))
 
 
-def propose(proposer, s: Request, new: list[int], batch_size=1, verified=0) -> list[int]:
+def propose(proposer, s: Sequence, new: list[int], batch_size=1, verified=0) -> list[int]:
     return proposer.propose([s], {s.seq_id: new}, {s.seq_id: verified}, batch_size).get(
         s.seq_id, []
     )
@@ -88,7 +88,7 @@ def test_no_drafts_for_beam_search_a_group_s_first_token_or_a_large_batch():
     assert propose(proposer, seq(loop), [2], batch_size=4) == [1, 2]
     assert propose(proposer, seq(loop, "b"), [2], batch_size=5) == []
     assert propose(proposer, seq(loop, "c", n=3), [2, 2, 2]) == []  # forks into 3
-    beam = Request(
+    beam = Sequence(
         "d", loop, SamplingParams(use_beam_search=True, n=2, max_tokens=5, temperature=0)
     )
     assert propose(proposer, beam, [2]) == []

@@ -93,7 +93,7 @@ class KVUsageTracker:
         self.min_share: float | None = None
 
     def observe(self, kv_cache_manager, requests: dict) -> tuple[int, int]:
-        """`requests` maps seq_id → Request (for num_computed_tokens)."""
+        """`requests` maps seq_id → Sequence (for num_computed_tokens)."""
         block_size = kv_cache_manager.block_size
         filled: dict[int, int] = {}
         for request_id, blocks in kv_cache_manager.req_to_blocks.items():

@@ -65,7 +65,7 @@ class BeamSearchState:
 
     @classmethod
     def for_request(cls, request, max_model_len: int) -> BeamSearchState:
-        """The search of a beam-search request (a `Request`) under `max_model_len`."""
+        """The search of a beam-search request (a `Sequence`) under `max_model_len`."""
         params = request.sampling_params
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:

@@ -1,7 +1,7 @@
 """The names of full blocks for prefix caching, as vLLM V1 does it. Torch-free.
 
 A FULL block is named by a hash chained over its parent block's hash and its token ids (the first
-block also mixes in the request's `cache_salt` and its LoRA adapter's id), so equal hashes mean
+block also mixes in the sequence's `cache_salt` and its LoRA adapter's id), so equal hashes mean
 equal prefixes under the same weights and therefore equal K/V.
 """
 
@@ -11,7 +11,7 @@ import hashlib
 from array import array
 
 from pagedllm.core.block_pool import BlockHash
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 _NONE_HASH = b"\x00" * 32
 
@@ -42,13 +42,13 @@ def hash_block_tokens(
     return h.digest()
 
 
-def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
-    """Extend `request.block_hashes` to cover every full block of its tokens (incrementally)."""
-    hashes = request.block_hashes
-    tokens = request.all_token_ids
+def update_block_hashes(seq: Sequence, block_size: int) -> list[BlockHash]:
+    """Extend `seq.block_hashes` to cover every full block of its tokens (incrementally)."""
+    hashes = seq.block_hashes
+    tokens = seq.all_token_ids
     for i in range(len(hashes), len(tokens) // block_size):
         parent = hashes[i - 1] if i else None
-        salt, lora = (request.cache_salt, request.lora_request) if i == 0 else (None, None)
+        salt, lora = (seq.cache_salt, seq.lora_request) if i == 0 else (None, None)
         block = tokens[i * block_size : (i + 1) * block_size]
         hashes.append(hash_block_tokens(parent, block, salt, lora and lora.lora_int_id))
     return hashes

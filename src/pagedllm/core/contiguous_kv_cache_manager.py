@@ -1,16 +1,16 @@
 """Contiguous KV reservations, as serving systems did before paging: for benchmarks only.
 
-The PagedAttention paper (§6) compares paging against three ways of giving each request one
-contiguous region of KV memory, sized when the request is admitted:
-- "max": `max_model_len` slots, whatever the request;
+The PagedAttention paper (§6) compares paging against three ways of giving each sequence one
+contiguous region of KV memory, sized when the sequence is admitted:
+- "max": `max_model_len` slots, whatever the sequence;
 - "pow2": the prompt plus the output length rounded up to a power of two (at most 2x too much);
 - "oracle": exactly prompt + output.
-"pow2" and "oracle" take the output length from the request's `max_tokens` (capped by
+"pow2" and "oracle" take the output length from the sequence's `max_tokens` (capped by
 `max_model_len`): the actual length when the benchmark sets `ignore_eos`, as ours do.
 
-A region never grows, so a running request never needs memory and nothing is ever preempted; it
-is freed when the request ends. Regions are placed by one of two allocators, and freed holes too
-small for the next request are lost to external fragmentation:
+A region never grows, so a running sequence never needs memory and nothing is ever preempted; it
+is freed when the sequence ends. Regions are placed by one of two allocators, and freed holes too
+small for the next sequence are lost to external fragmentation:
 - "buddy" (the default, as the paper's Orca baselines): regions are rounded up to a power of two
   of blocks and split from, and merged back into, aligned power-of-two chunks;
 - "first-fit": a region takes the head of the lowest free extent long enough; neighbours merge.
@@ -34,7 +34,7 @@ from pagedllm.config import CONTIGUOUS_POLICIES, KV_ALLOCATORS
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_interface import Allocation, BlockPair
 from pagedllm.core.kv_events import KVEventLog
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 
 def next_power_of_two(n: int) -> int:
@@ -165,22 +165,22 @@ class ContiguousKVCacheManager:
         self.swapped_blocks: dict[str, list[KVCacheBlock]] = {}  # always empty
 
     # -- sizing ---------------------------------------------------------------------------------
-    def reservation(self, request: Request) -> int:
-        """Slots the policy reserves for `request` (before rounding to whole blocks)."""
-        prompt_len = request.num_prompt_tokens
-        output_len = min(request.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
+    def reservation(self, seq: Sequence) -> int:
+        """Slots the policy reserves for `seq` (before rounding to whole blocks)."""
+        prompt_len = seq.num_prompt_tokens
+        output_len = min(seq.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
         if self.policy == "max":
             return self.max_model_len
         if self.policy == "pow2":
             return min(prompt_len + next_power_of_two(output_len), self.max_model_len)
         return prompt_len + output_len
 
-    def _region_blocks(self, request: Request) -> int:
-        return -(-self.reservation(request) // self.block_size)
+    def _region_blocks(self, seq: Sequence) -> int:
+        return -(-self.reservation(seq) // self.block_size)
 
-    def fits(self, request: Request) -> bool:
-        """Whether the allocator could place `request`'s region now."""
-        need = self._region_blocks(request)
+    def fits(self, seq: Sequence) -> bool:
+        """Whether the allocator could place `seq`'s region now."""
+        need = self._region_blocks(seq)
         need = next_power_of_two(need) if isinstance(self.allocator, BuddyAllocator) else need
         return max((n for _, n in self.allocator.extents()), default=0) >= need
 
@@ -193,16 +193,16 @@ class ContiguousKVCacheManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     # -- the scheduler's interface --------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[list[KVCacheBlock]], int]:
         return [[]], 0
 
-    def num_blocks_needed(self, requests: list[tuple[Request, int]], swapped: bool = False) -> int:
-        return 0  # a running request's region already holds every token it will have
+    def num_blocks_needed(self, seqs: list[tuple[Sequence, int]], swapped: bool = False) -> int:
+        return 0  # a running sequence's region already holds every token it will have
 
     def allocate_group(
-        self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]
+        self, entries: list[tuple[Sequence, int, list[list[KVCacheBlock]]]]
     ) -> list[Allocation] | None:
-        """Admit a request: place its region and its first tokens; None if no free extent is
+        """Admit a sequence: place its region and its first tokens; None if no free extent is
         long enough."""
         if len(entries) != 1:
             raise ValueError("contiguous KV reservations serve one sequence per request (n=1)")
@@ -217,44 +217,44 @@ class ContiguousKVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        seq: Sequence,
         num_new_tokens: int,
         new_computed_blocks: list[list[KVCacheBlock]] | None = None,
     ) -> Allocation | None:
         """Place `num_new_tokens` more tokens: the next blocks of the region, never new memory
         (so never None)."""
-        start, num_blocks = self.regions[request.seq_id]
-        num_tokens = request.num_computed_tokens + num_new_tokens
+        start, num_blocks = self.regions[seq.seq_id]
+        num_tokens = seq.num_computed_tokens + num_new_tokens
         needed = -(-num_tokens // self.block_size)
-        assert needed <= num_blocks, "a request outgrew its reservation"
-        table = self.req_to_blocks[request.seq_id]
+        assert needed <= num_blocks, "a sequence outgrew its reservation"
+        table = self.req_to_blocks[seq.seq_id]
         new_blocks = self.blocks[start + len(table) : start + needed]
         table.extend(new_blocks)
         return Allocation((new_blocks,), [])
 
-    def free(self, request: Request) -> None:
-        region = self.regions.pop(request.seq_id, None)
+    def free(self, seq: Sequence) -> None:
+        region = self.regions.pop(seq.seq_id, None)
         if region is None:
             return
-        del self.req_to_blocks[request.seq_id], self.reserved_tokens[request.seq_id]
+        del self.req_to_blocks[seq.seq_id], self.reserved_tokens[seq.seq_id]
         self.allocator.free(*region)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         raise ValueError("contiguous KV reservations cannot share blocks (n=1 only)")
 
-    def trim(self, request: Request, num_tokens: int) -> None:
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
         raise ValueError("contiguous KV reservations take no speculative decoding")
 
-    def can_swap_out(self, requests: list[Request]) -> bool:
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return False  # no swap space: preemption never happens anyway
 
-    def num_swap_in_blocks(self, requests: list[Request]) -> int:
+    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
         return 0  # nothing is ever swapped out
 
-    def swap_out(self, requests: list[Request]) -> list[BlockPair]:
+    def swap_out(self, seqs: list[Sequence]) -> list[BlockPair]:
         raise ValueError("contiguous KV reservations have no swap space")
 
-    def swap_in(self, requests: list[Request]) -> list[BlockPair]:
+    def swap_in(self, seqs: list[Sequence]) -> list[BlockPair]:
         raise ValueError("contiguous KV reservations have no swap space")
 
     def reset_prefix_cache(self) -> bool:

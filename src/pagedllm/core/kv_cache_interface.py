@@ -10,12 +10,12 @@ keeps no list of moves pending.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_events import KVEventLog
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 # (source block id, destination block id): a copy-on-write copy, or a swap between the device
 # pool and the swap space.
@@ -28,13 +28,13 @@ class Allocation(NamedTuple):
     whose destination replaced a shared block the sequence is about to write into. (A named
     tuple: the scheduler makes one per scheduled sequence every step.)"""
 
-    new_blocks: tuple[Sequence[KVCacheBlock], ...]
+    new_blocks: tuple[list[KVCacheBlock], ...]
     blocks_to_copy: list[BlockPair]
 
 
 @runtime_checkable
 class KVCacheInterface(Protocol):
-    """A KV cache manager as its users see it. Sequences are named by `Request.seq_id`."""
+    """A KV cache manager as its users see it. Sequences are named by `Sequence.seq_id`."""
 
     @property
     def block_size(self) -> int: ...
@@ -98,15 +98,13 @@ class KVCacheInterface(Protocol):
     def block_tables(self, seq_id: str) -> tuple[list[list[int]], bool]: ...
 
     # -- allocation -----------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]: ...
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[list[KVCacheBlock]], int]: ...
 
-    def num_blocks_needed(
-        self, requests: list[tuple[Request, int]], swapped: bool = False
-    ) -> int: ...
+    def num_blocks_needed(self, seqs: list[tuple[Sequence, int]], swapped: bool = False) -> int: ...
 
     def allocate_slots(
         self,
-        request: Request,
+        seq: Sequence,
         num_new_tokens: int,
         new_computed_blocks: list[list[KVCacheBlock]] | None = None,
     ) -> Allocation | None:
@@ -114,29 +112,29 @@ class KVCacheInterface(Protocol):
         ...
 
     def allocate_group(
-        self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]
+        self, entries: list[tuple[Sequence, int, list[list[KVCacheBlock]]]]
     ) -> list[Allocation] | None:
         """All or none: one Allocation per entry, in order, or None changing nothing."""
         ...
 
-    def fork(self, parent: Request, child: Request) -> None: ...
+    def fork(self, parent: Sequence, child: Sequence) -> None: ...
 
-    def trim(self, request: Request, num_tokens: int) -> None:
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` positions (rejected draft tokens)."""
         ...
 
-    def free(self, request: Request) -> None: ...
+    def free(self, seq: Sequence) -> None: ...
 
     # -- swapping -------------------------------------------------------------------------------
-    def can_swap_out(self, requests: list[Request]) -> bool: ...
+    def can_swap_out(self, seqs: list[Sequence]) -> bool: ...
 
-    def num_swap_in_blocks(self, requests: list[Request]) -> int: ...
+    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int: ...
 
-    def swap_out(self, requests: list[Request]) -> list[BlockPair]:
+    def swap_out(self, seqs: list[Sequence]) -> list[BlockPair]:
         """(device block, cpu block) pairs."""
         ...
 
-    def swap_in(self, requests: list[Request]) -> list[BlockPair]:
+    def swap_in(self, seqs: list[Sequence]) -> list[BlockPair]:
         """(cpu block, device block) pairs."""
         ...
 

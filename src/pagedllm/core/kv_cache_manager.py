@@ -1,7 +1,7 @@
-"""Per-request block tables over the block pool, with automatic prefix caching. Torch-free.
+"""Per-sequence block tables over the block pool, with automatic prefix caching. Torch-free.
 
 Prefix caching (as vLLM V1 does it): full blocks are named by chained hashes (block_hash.py). A
-new (or preempted) request first looks up the longest run of its leading full blocks that are
+new (or preempted) sequence first looks up the longest run of its leading full blocks that are
 cached, takes references on them and starts its `num_computed_tokens` there; the runner then
 computes only the rest. Blocks become cacheable once their tokens are written: `allocate_slots`
 registers every block that the tokens scheduled this step fill up, since the runner writes
@@ -22,7 +22,7 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group import NULL_BLOCK, KVCacheGroup, live_blocks
 from pagedllm.core.kv_cache_interface import Allocation, BlockPair
 from pagedllm.core.kv_events import KVEventLog
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 
 class KVCacheManager:
@@ -49,7 +49,7 @@ class KVCacheManager:
         # The swap space: CPU blocks, the same layout as the device pool.
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.num_copied_blocks = 0  # copy-on-write copies handed out
-        # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) request.
+        # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) sequence.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -84,15 +84,15 @@ class KVCacheManager:
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
-        """The longest run of the request's leading full blocks that every group has cached
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[list[KVCacheBlock]], int]:
+        """The longest run of the sequence's leading full blocks that every group has cached
         (per group, the blocks to take), and the number of tokens they hold. At least the last
         token is always left to compute (its logits are needed), so a hit covering all tokens on
         a block boundary gives up its last block."""
-        if not self.enable_prefix_caching or request.needs_every_position:
+        if not self.enable_prefix_caching or seq.needs_every_position:
             return [[] for _ in self.groups], 0
-        hashes = update_block_hashes(request, self.block_size)
-        num_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = update_block_hashes(seq, self.block_size)
+        num_blocks = (seq.num_tokens - 1) // self.block_size
         while True:  # shrink until every group agrees (a sliding group's answer can jump)
             agreed = min(group.longest_hit(hashes, num_blocks) for group in self.groups)
             if agreed == num_blocks:
@@ -101,7 +101,7 @@ class KVCacheManager:
         hits = [group.hit_blocks(hashes, num_blocks) for group in self.groups]
         return hits, num_blocks * self.block_size
 
-    def num_blocks_needed(self, requests: list[tuple[Request, int]], swapped: bool = False) -> int:
+    def num_blocks_needed(self, seqs: list[tuple[Sequence, int]], swapped: bool = False) -> int:
         """Free blocks that allocating `num_new_tokens` for each (running) sequence takes, counting
         copy-on-write (of k sequences writing into one block held k times, k - 1 copy it) and
         the blocks sliding-window groups release.
@@ -109,9 +109,9 @@ class KVCacheManager:
         `swapped=True`: for swapped-out sequences, once swapped in (their sharing, and so the
         copies, come back as they were); the blocks the swap-in itself takes are not counted.
         """
-        return sum(group.num_blocks_needed(requests, swapped) for group in self.groups)
+        return sum(group.num_blocks_needed(seqs, swapped) for group in self.groups)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's block tables: every block gains a reference, none is
         copied."""
         for group in self.groups:
@@ -119,14 +119,14 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        seq: Sequence,
         num_new_tokens: int,
         new_computed_blocks: list[list[KVCacheBlock]] | None = None,
     ) -> Allocation | None:
         """Make room for `num_new_tokens` more tokens: the new blocks and copy-on-write pairs,
         or None, changing nothing, if short.
 
-        `new_computed_blocks` (from `get_computed_blocks`, for a request being admitted) become the
+        `new_computed_blocks` (from `get_computed_blocks`, for a sequence being admitted) become the
         head of its tables; the caller then sets `num_computed_tokens` to the tokens they hold.
         Passing them (even empty) marks an admission and counts it in the hit statistics.
         """
@@ -135,25 +135,25 @@ class KVCacheManager:
         hits = new_computed_blocks or self._no_hits
         cost = 0
         for group, group_hits in zip(groups, hits, strict=True):
-            cost += group.allocation_cost(request, num_new_tokens, group_hits)
+            cost += group.allocation_cost(seq, num_new_tokens, group_hits)
         if cost > self.block_pool.num_free_blocks:
             return None
         for group in groups:  # released blocks first: the others may need them
-            group.release(request)
+            group.release(seq)
         new_blocks, blocks_to_copy = [], []
         for group, group_hits in zip(groups, hits, strict=True):
-            blocks, copy_pair = group.allocate(request, num_new_tokens, group_hits)
+            blocks, copy_pair = group.allocate(seq, num_new_tokens, group_hits)
             new_blocks.append(blocks)
             if copy_pair is not None:
                 blocks_to_copy.append(copy_pair)
                 self.num_copied_blocks += 1
         if new_computed_blocks is not None and self.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(hits[0]) * self.block_size
         return Allocation(tuple(new_blocks), blocks_to_copy)
 
     def allocate_group(
-        self, entries: list[tuple[Request, int, list[list[KVCacheBlock]]]]
+        self, entries: list[tuple[Sequence, int, list[list[KVCacheBlock]]]]
     ) -> list[Allocation] | None:
         """Admit several sequences at once, all or none: (sequence, new tokens, prefix-hit blocks
         per group) each; one Allocation per entry, or None, changing nothing. The hit blocks are
@@ -175,36 +175,36 @@ class KVCacheManager:
         self.block_pool.free(hit_blocks)
         return allocations
 
-    def trim(self, request: Request, num_tokens: int) -> None:
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the sequence's blocks past its first `num_tokens` positions (rejected drafts)."""
         for group in self.groups:
-            group.trim(request, num_tokens)
+            group.trim(seq, num_tokens)
 
-    def free(self, request: Request) -> None:
+    def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks (its swap-space blocks too, if it is swapped out)."""
         for group in self.groups:
-            group.free(request, self.cpu_block_pool)
+            group.free(seq, self.cpu_block_pool)
 
     # -- swapping -------------------------------------------------------------------------------
-    def can_swap_out(self, requests: list[Request]) -> bool:
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
         if self.cpu_block_pool is None:
             return False
-        need = sum(group.num_distinct_blocks(requests, swapped=False) for group in self.groups)
+        need = sum(group.num_distinct_blocks(seqs, swapped=False) for group in self.groups)
         return need <= self.cpu_block_pool.num_free_blocks
 
-    def num_swap_in_blocks(self, requests: list[Request]) -> int:
-        return sum(group.num_distinct_blocks(requests, swapped=True) for group in self.groups)
+    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
+        return sum(group.num_distinct_blocks(seqs, swapped=True) for group in self.groups)
 
-    def swap_out(self, requests: list[Request]) -> list[BlockPair]:
+    def swap_out(self, seqs: list[Sequence]) -> list[BlockPair]:
         """Move the sequences' blocks to the swap space (check `can_swap_out` first): the
         (device block, cpu block) pairs to copy."""
-        return [p for group in self.groups for p in group.swap_out(requests, self.cpu_block_pool)]
+        return [p for group in self.groups for p in group.swap_out(seqs, self.cpu_block_pool)]
 
-    def swap_in(self, requests: list[Request]) -> list[BlockPair]:
+    def swap_in(self, seqs: list[Sequence]) -> list[BlockPair]:
         """Move swapped sequences back to device blocks (check `num_swap_in_blocks` first): the
         (cpu block, device block) pairs to copy. The new blocks are entered in the prefix cache
         again as the sequences grow."""
-        return [p for group in self.groups for p in group.swap_in(requests, self.cpu_block_pool)]
+        return [p for group in self.groups for p in group.swap_in(seqs, self.cpu_block_pool)]
 
     @property
     def num_free_cpu_blocks(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.request import SequenceGroup
+from pagedllm.sequence import SequenceGroup
 
 LORA_MAX_SKIPPED_STEPS = 32
 

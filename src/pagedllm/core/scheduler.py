@@ -1,7 +1,7 @@
 """Continuous batching under a per-step token budget, FCFS, preemption by recompute. Torch-free.
 
 The unit of scheduling is a sequence group (one user request: a single sequence, n / best_of
-samples or beam_width beams; see request.py). Each step every running group's sequences get the
+samples or beam_width beams; see sequence.py). Each step every running group's sequences get the
 tokens they still lack (`num_tokens - num_computed_tokens`: a whole or partial prompt, or one
 decode token), then waiting groups are admitted in arrival order while the token budget,
 `max_num_seqs` (counted in sequences) and free blocks allow. When the pool runs dry, the most
@@ -36,7 +36,7 @@ from pagedllm.core.lora_admission import LoRAAdmission
 from pagedllm.core.scheduler_checks import check_scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput, SpecDecodeStats
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request, RequestStatus, SequenceGroup
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def _by_arrival(group: SequenceGroup) -> float:
@@ -65,7 +65,7 @@ class Scheduler:
         self.order = _by_priority if config.policy == "priority" else _by_arrival
 
     # -- queue management ---------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Sequence) -> None:
         """Queue a new request (its first sequence; `request.group` is the group)."""
         group = request.group
         if group.is_beam_search and group.beam is None:
@@ -74,7 +74,7 @@ class Scheduler:
         self.requests[group.request_id] = group
 
     def finish_requests(
-        self, request_ids: Iterable[str], status: RequestStatus
+        self, request_ids: Iterable[str], status: SequenceStatus
     ) -> list[SequenceGroup]:
         """Stop whole requests (abort) wherever they are; frees their blocks at once."""
         assert status.is_finished
@@ -96,7 +96,7 @@ class Scheduler:
             finished.append(group)
         return finished
 
-    def finish_seq(self, seq: Request, status: RequestStatus) -> None:
+    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         """Stop one sequence (a stop string matched); its group ends with its last sequence."""
         group = seq.group
         if seq.is_finished() or group.request_id not in self.requests:
@@ -112,7 +112,7 @@ class Scheduler:
                 self.waiting.remove(group)
             self._remove(group)
 
-    def _finish_seq(self, seq: Request, status: RequestStatus) -> None:
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status
         self.kv_cache_manager.free(seq)
         seq.group.seqs.remove(seq)
@@ -144,7 +144,7 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return self._num_running_seqs
 
-    def running_seqs_by_id(self) -> dict[str, Request]:
+    def running_seqs_by_id(self) -> dict[str, Sequence]:
         return {seq.seq_id: seq for group in self.running for seq in group.seqs}
 
     def is_id_in_use(self, request_id: str) -> bool:
@@ -207,7 +207,7 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _add_to_step(out: SchedulerOutput, plan: list[tuple[Request, int]]) -> int:
+    def _add_to_step(out: SchedulerOutput, plan: list[tuple[Sequence, int]]) -> int:
         """Schedule the planned tokens; returns how many."""
         total = 0
         for seq, num_new in plan:
@@ -219,7 +219,7 @@ class Scheduler:
             total += num_new
         return total
 
-    def _allocate(self, plan: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+    def _allocate(self, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> None:
         """Allocate for planned sequences whose room the caller counted; their copies join the
         step. (Once per scheduled sequence every step: kept lean.)"""
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -230,8 +230,8 @@ class Scheduler:
                 out.blocks_to_copy.extend(allocation.blocks_to_copy)
 
     def _plan_tokens(
-        self, seqs: list[Request], budget: int, num_computed: list[int] | None = None
-    ) -> list[tuple[Request, int]]:
+        self, seqs: list[Sequence], budget: int, num_computed: list[int] | None = None
+    ) -> list[tuple[Sequence, int]]:
         """Tokens to schedule for each sequence of a group within `budget`.
 
         A sequence needs `num_tokens - num_computed` tokens. If the group cannot have them all,
@@ -261,7 +261,7 @@ class Scheduler:
 
     def _start_running(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
-            seq.status = RequestStatus.RUNNING
+            seq.status = SequenceStatus.RUNNING
         self._num_running_seqs += len(group.seqs)
         # Keep `running` in arrival order, so a resumed group is not the next victim.
         bisect.insort(self.running, group, key=self.order)
@@ -292,7 +292,7 @@ class Scheduler:
 
     def _swap_in(
         self, group: SequenceGroup, budget: int, out: SchedulerOutput
-    ) -> list[tuple[Request, int]] | None:
+    ) -> list[tuple[Sequence, int]] | None:
         """Bring a swapped group back and allocate its next tokens, or None if it does not fit.
         Counted exactly (the blocks it held, then its new blocks and copies), so that a group
         holding most of the pool can still come back once the pool is free."""
@@ -311,7 +311,7 @@ class Scheduler:
 
     def _admit(
         self, group: SequenceGroup, budget: int, out: SchedulerOutput
-    ) -> list[tuple[Request, int]] | None:
+    ) -> list[tuple[Sequence, int]] | None:
         """Allocate the first waiting group's sequences (a new request, or a preempted group to
         recompute), all or none, and start it running; returns the tokens to schedule, or None
         if it does not fit.
@@ -343,7 +343,7 @@ class Scheduler:
     def _allocate_or_preempt(
         self,
         group: SequenceGroup,
-        plan: list[tuple[Request, int]],
+        plan: list[tuple[Sequence, int]],
         preempted: list[SequenceGroup],
         out: SchedulerOutput,
     ) -> bool:
@@ -373,13 +373,13 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and kv.can_swap_out(group.seqs):
             pairs = kv.swap_out(group.seqs)
             for seq in group.seqs:
-                seq.status = RequestStatus.SWAPPED
+                seq.status = SequenceStatus.SWAPPED
             self.num_swap_preemptions_total += 1
             bisect.insort(self.swapped, group, key=self.order)
             return pairs
         for seq in group.seqs:
             kv.free(seq)
-            seq.status = RequestStatus.PREEMPTED
+            seq.status = SequenceStatus.PREEMPTED
             seq.num_computed_tokens = 0
         if self.order is _by_arrival:
             self.waiting.appendleft(group)  # it arrived before every new request
@@ -431,7 +431,7 @@ class Scheduler:
             else:
                 self._append_samples(group, output)
         for seq in pooled:
-            self.finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+            self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
         return list(groups.values())
 
     def _append_samples(self, group: SequenceGroup, output: ModelRunnerOutput) -> None:
@@ -471,7 +471,7 @@ class Scheduler:
             self.finish_seq(seq, status)
 
     @staticmethod
-    def _append_token(seq: Request, token_id: int, record) -> None:
+    def _append_token(seq: Sequence, token_id: int, record) -> None:
         seq.append_output_token(token_id)
         if record is not None:
             # Kept even without logprobs asked for: truncate_output takes their sum back.
@@ -484,7 +484,7 @@ class Scheduler:
         if group.beam.done:
             for beam in group.seqs:
                 kv.free(beam)
-                beam.status = RequestStatus.FINISHED_STOPPED
+                beam.status = SequenceStatus.FINISHED_STOPPED
             self._num_running_seqs -= len(group.seqs)
             group.seqs.clear()
             self.running.remove(group)

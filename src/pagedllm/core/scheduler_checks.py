@@ -3,7 +3,7 @@ on a live server). Torch-free."""
 
 from __future__ import annotations
 
-from pagedllm.request import RequestStatus
+from pagedllm.sequence import SequenceStatus
 
 
 def check_scheduler(scheduler) -> None:
@@ -19,7 +19,7 @@ def check_scheduler(scheduler) -> None:
     swapped = {q.seq_id for g in s.swapped for q in g.seqs}
     assert set(kv.swapped_blocks) == swapped, "swap-space tables and swapped groups disagree"
     for group in s.swapped:
-        assert group.seqs and all(q.status == RequestStatus.SWAPPED for q in group.seqs)
+        assert group.seqs and all(q.status == SequenceStatus.SWAPPED for q in group.seqs)
     queues = [*s.waiting, *s.running, *s.swapped]
     assert len({id(g) for g in queues}) == len(queues) == len(s.requests), (
         "a group is in no queue or in two"
@@ -29,6 +29,7 @@ def check_scheduler(scheduler) -> None:
         assert keys == sorted(keys), "running or swapped groups are out of order"
     assert s.num_running_seqs == len(live), "running sequence count is off"
     for group in s.running:
-        assert group.seqs and all(q.status == RequestStatus.RUNNING for q in group.seqs)
+        assert group.seqs and all(q.status == SequenceStatus.RUNNING for q in group.seqs)
     for group in s.waiting:
-        assert all(q.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for q in group.seqs)
+        waiting = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+        assert all(q.status in waiting for q in group.seqs)

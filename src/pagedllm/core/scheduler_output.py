@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_interface import BlockPair
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 
 @dataclass
 class SchedulerOutput:
     """What the model runner needs for one step; the scheduler never touches tensors."""
 
-    scheduled_requests: list[Request]  # sequences; dicts below are keyed by their seq_id
+    scheduled_requests: list[Sequence]  # sequences; dicts below are keyed by their seq_id
     num_scheduled_tokens: dict[str, int]
     # Per sequence, one block table per KV cache group.
     block_ids: dict[str, list[list[int]]]
@@ -30,7 +30,7 @@ class SchedulerOutput:
     # known tokens and are counted in num_scheduled_tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    def needs_sample(self, request: Request) -> bool:
+    def needs_sample(self, request: Sequence) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""
         n = self.num_scheduled_tokens[request.seq_id]
         return request.num_computed_tokens + n >= request.num_tokens

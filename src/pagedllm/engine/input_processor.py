@@ -1,4 +1,4 @@
-"""From an EngineCoreRequest (a tokenized prompt and its params) to a Request the scheduler can
+"""From an EngineCoreRequest (a tokenized prompt and its params) to a Sequence the scheduler can
 always finish: every check a request must pass before it is queued (with the fix in the message),
 the resolved output budget, and the structured-output grammar."""
 
@@ -14,8 +14,8 @@ from pagedllm.engine.request_checks import check_dimensions, check_fits, check_v
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.lora_adapter import load_lora_adapter
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sequence import Sequence
 from pagedllm.structured_output import Grammar, StructuredOutputManager
 
 # A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
@@ -38,7 +38,7 @@ class InputProcessor:
         self._manager_lock = threading.Lock()  # compile_grammar runs off the engine's thread
         self._checked_loras: dict[int, str] = {}  # adapter id -> its path, once read and checked
 
-    def process(self, core: EngineCoreRequest, grammar: Grammar | None = None) -> Request:
+    def process(self, core: EngineCoreRequest, grammar: Grammar | None = None) -> Sequence:
         """The request's first sequence (its group is `request.group`); ValueError if it is
         one the engine must refuse. `grammar`: its structured-output constraint compiled
         already (compile_grammar, off the engine's thread); else it is compiled here."""
@@ -68,7 +68,7 @@ class InputProcessor:
         text, token_ids = core.prompt, core.prompt_token_ids
         self._validate_prompt(token_ids, room_for_output=not pooling)
         if pooling:  # prefill-only: its placeholder SamplingParams are never read for sampling
-            request = Request(
+            request = Sequence(
                 request_id, token_ids, SamplingParams(max_tokens=1), self.eos_token_ids, 1, text,
                 arrival_time, cache_salt=cache_salt, lora_request=lora_request, priority=priority,
             )  # fmt: skip
@@ -82,7 +82,7 @@ class InputProcessor:
         room = config.scheduler.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._validate_group(params.num_sequences, len(token_ids) + max_tokens)
-        request = Request(
+        request = Sequence(
             request_id,
             token_ids,
             params,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from pagedllm.request import SequenceGroup
+from pagedllm.sequence import SequenceGroup
 
 # Waiting requests hold no blocks; past this many, only their number is given.
 MAX_WAITING_LISTED = 32

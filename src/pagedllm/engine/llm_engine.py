@@ -32,8 +32,8 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput, ResumedOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sequence import SequenceStatus
 from pagedllm.structured_output import Grammar
 from pagedllm.worker.lora_manager import LoRALoadError
 
@@ -256,7 +256,7 @@ class LLMEngine(EngineDescription):
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(ids, SequenceStatus.FINISHED_ABORTED)
         self.output_builder.remove(ids)
         if self.output_processor is not None:
             self.output_processor.remove(ids)
@@ -268,11 +268,11 @@ class LLMEngine(EngineDescription):
         if group is None:
             return
         if index is None:
-            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests([request_id], SequenceStatus.FINISHED_ABORTED)
         else:
             seq = next((s for s in group.seqs if s.sample_index == index), None)
             if seq is not None:
-                self.scheduler.finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
         if request_id not in self.scheduler.requests:  # its last sequence ended
             self.output_builder.remove([request_id])
 
@@ -332,7 +332,7 @@ class LLMEngine(EngineDescription):
         request: it propagates, and the engine stops.)"""
         request_id = group.request_id
         logger.error("request %s failed: %r", request_id, error, exc_info=error)
-        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests([request_id], SequenceStatus.FINISHED_ABORTED)
         return self.output_builder.fail(group, f"request {request_id} failed: {error!r}")
 
     def _fail_lora(self, error: LoRALoadError) -> list[EngineCoreOutput]:

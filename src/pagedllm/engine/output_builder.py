@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
-from pagedllm.request import Request, RequestStatus, SequenceGroup
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger("pagedllm")
 
@@ -113,7 +113,7 @@ class OutputBuilder:
         return output
 
     @staticmethod
-    def _sample_delta(seq: Request, reported: _Reported) -> SampleDelta | None:
+    def _sample_delta(seq: Sequence, reported: _Reported) -> SampleDelta | None:
         if seq.grammar is not None and seq.grammar.error is not None:
             raise RuntimeError(f"the structured output grammar failed: {seq.grammar.error}")
         sent = reported.num_sent.get(seq.seq_id, 0)
@@ -137,7 +137,7 @@ class OutputBuilder:
             delta.stop_reason = seq.stop_reason
             # An EOS or stop token that ended the sequence is not text (a token that completed
             # a structured output, also a stop, is).
-            delta.stop_token = seq.status == RequestStatus.FINISHED_STOPPED and (
+            delta.stop_token = seq.status == SequenceStatus.FINISHED_STOPPED and (
                 seq.stop_reason is not None or seq.output_token_ids[-1] in seq.eos_token_ids
             )
         return delta

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm import structured_output
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 
 @dataclass
@@ -51,7 +51,7 @@ class SamplingMetadata:
     @classmethod
     def from_requests(
         cls,
-        requests: list[Request],
+        requests: list[Sequence],
         vocab_size: int,
         device: torch.device | str,
         sample_indices: list[int] | None = None,

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
-from pagedllm.request import Request
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, beam_candidates, gather_logprobs
+from pagedllm.sequence import Sequence
 
 
 @dataclass
@@ -24,13 +24,13 @@ class StepPlan:
 
     # The requests sampled this step; sample_logits_rows holds one row each, or 1 + k for a
     # request verifying k drafts (`drafts`, aligned: [] for the others).
-    sample_reqs: list[Request] = field(default_factory=list)
+    sample_reqs: list[Sequence] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     # One per prompt_logits_rows row: the request and the prompt position the row scores.
-    prompt_owners: list[tuple[Request, int]] = field(default_factory=list)
+    prompt_owners: list[tuple[Sequence, int]] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)  # the token at that position
     # Embedding requests this step: (request, its first pooling row, rows, prompt done)
-    pooling: list[tuple[Request, int, int, bool]] = field(default_factory=list)
+    pooling: list[tuple[Sequence, int, int, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class StepSampler:
         return output
 
     def _sample_plain(
-        self, sample_logits: torch.Tensor, sample_reqs: list[Request], output: ModelRunnerOutput
+        self, sample_logits: torch.Tensor, sample_reqs: list[Sequence], output: ModelRunnerOutput
     ) -> None:
         """One row per request: beam candidates, or a token per sample."""
         if not sample_reqs:
@@ -106,7 +106,7 @@ class StepSampler:
 
     def _verify(
         self, logits: torch.Tensor, plan: StepPlan, output: ModelRunnerOutput
-    ) -> tuple[torch.Tensor, list[Request]]:
+    ) -> tuple[torch.Tensor, list[Sequence]]:
         """The requests that verify drafts: each of their rows is sampled as if the drafts
         before it were accepted, and the drafts are kept while they equal what was sampled;
         the first sample that differs (or the one after the last draft) is the step's last
@@ -193,7 +193,7 @@ class StepSampler:
     def _sample(
         self,
         logits: torch.Tensor,
-        row_reqs: list[Request],
+        row_reqs: list[Sequence],
         sample_indices: list[int],
         output: ModelRunnerOutput,
         keep_generator_states: bool = False,
@@ -225,7 +225,7 @@ class StepSampler:
     def _beam_candidates(
         self,
         logits: torch.Tensor,
-        beams: list[Request],
+        beams: list[Sequence],
         rows: list[int],
         output: ModelRunnerOutput,
     ) -> None:

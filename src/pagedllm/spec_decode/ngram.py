@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 from pagedllm.spec_decode.proposer import Proposer
 
 
@@ -36,7 +36,7 @@ def continuation(tokens: np.ndarray, start: int, k: int) -> list[int]:
 
 
 class NgramProposer(Proposer):
-    def _propose(self, seq: Request, tokens: np.ndarray) -> list[int]:
+    def _propose(self, seq: Sequence, tokens: np.ndarray) -> list[int]:
         config = self.config
         start = ngram_match(tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         if start is None:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 # Drafts accepted less often than this cost more than they save (a verified row costs about a
 # quarter of a one-row step here); such a sequence drafts once every PROBE_EVERY steps.
@@ -71,7 +71,7 @@ class Proposer:
 
     def propose(
         self,
-        seqs: list[Request],
+        seqs: list[Sequence],
         new_token_ids: dict[str, list[int]],
         verified: dict[str, int],
         batch_size: int,
@@ -98,7 +98,7 @@ class Proposer:
                 wanted.append((seq, tokens, cap))
         return {seq_id: d for seq_id, d in self._propose_many(wanted).items() if d}
 
-    def _propose_many(self, wanted: list[tuple[Request, np.ndarray, int]]) -> dict[str, list[int]]:
+    def _propose_many(self, wanted: list[tuple[Sequence, np.ndarray, int]]) -> dict[str, list[int]]:
         """Drafts by seq id for (sequence, tokens, cap) triples: at most `cap` tokens each."""
         return {seq.seq_id: self._propose(seq, tokens)[:cap] for seq, tokens, cap in wanted}
 
@@ -130,7 +130,7 @@ class Proposer:
                     state.pop(seq_id, None)
                 self._forget(seq_id, self.histories.pop(seq_id))
 
-    def _propose(self, seq: Request, tokens: np.ndarray) -> list[int]:
+    def _propose(self, seq: Sequence, tokens: np.ndarray) -> list[int]:
         raise NotImplementedError
 
     def _forget(self, seq_id: str, history: TokenHistory) -> None:

@@ -19,7 +19,7 @@ from collections import deque
 
 import numpy as np
 
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 from pagedllm.spec_decode.proposer import MIN_ACCEPTANCE, Proposer, TokenHistory
 
 # Most tokens of finished outputs kept for matching (besides suffix_decoding_max_cached_requests):
@@ -83,7 +83,7 @@ class SuffixProposer(Proposer):
         self._cached_tokens = 0
         self._corpus: np.ndarray | None = np.empty(0, np.int64)  # None: to be rebuilt
 
-    def _propose(self, seq: Request, tokens: np.ndarray) -> list[int]:
+    def _propose(self, seq: Sequence, tokens: np.ndarray) -> list[int]:
         self._prompt_lens.setdefault(seq.seq_id, seq.num_prompt_tokens)
         config = self.config
         context = tokens[-self.max_depth :]

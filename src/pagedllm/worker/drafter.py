@@ -25,7 +25,7 @@ import torch
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.distributed.step_channel import StepInputs, pairs
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 from pagedllm.spec_decode.proposer import Proposer, TokenHistory
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -72,11 +72,11 @@ class DraftModelProposer(Proposer):
         if state is not None:
             self.kv.free(state)
 
-    def _propose_many(self, wanted: list[tuple[Request, np.ndarray, int]]) -> dict[str, list[int]]:
+    def _propose_many(self, wanted: list[tuple[Sequence, np.ndarray, int]]) -> dict[str, list[int]]:
         """Catch up, then draft each sequence's tokens, one batched forward per draft token."""
         feeds = []  # per drafting sequence: (state, tokens to feed, cap)
         for seq, tokens, cap in wanted:
-            # No more drafts than the step could keep (Request.usable_drafts cuts the rest).
+            # No more drafts than the step could keep (Sequence.usable_drafts cuts the rest).
             room = self.max_model_len - len(tokens)
             if seq.max_tokens is not None:
                 room = min(room, seq.max_tokens - (len(tokens) - seq.num_prompt_tokens))

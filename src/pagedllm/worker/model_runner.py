@@ -22,8 +22,8 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.distributed.step_channel import StepInputs, pairs
 from pagedllm.models.fused_decoder import FusedDecoder
 from pagedllm.outputs import ModelRunnerOutput
-from pagedllm.request import Request
 from pagedllm.sample.step_sampler import StepLogits, StepPlan, StepSampler
+from pagedllm.sequence import Sequence
 from pagedllm.spec_decode import Proposer
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 from pagedllm.worker.lora_manager import LoRAManager
@@ -160,7 +160,7 @@ class ModelRunner:
             self._plan_lora(reqs, num_scheduled, step)
         return step, plan
 
-    def _plan_lora(self, reqs: list[Request], num_scheduled: np.ndarray, step: StepInputs):
+    def _plan_lora(self, reqs: list[Sequence], num_scheduled: np.ndarray, step: StepInputs):
         """Each token's adapter slot, and the slots to fill first."""
         adapters = {r.lora_request.lora_int_id: r.lora_request for r in reqs if r.lora_request}
         if not adapters:

@@ -1,6 +1,6 @@
-"""Per-request state shared by the scheduler (torch-free) and the model runner.
+"""A request's sequences, shared by the scheduler (torch-free) and the model runner.
 
-A `Request` is one sequence: a prompt and the tokens generated after it. A user request that asks
+A `Sequence` is a prompt and the tokens generated after it. A user request that asks
 for several outputs (n > 1 or best_of samples, or beam search) is a `SequenceGroup` of such
 sequences: it starts as one sequence, which is forked after the prompt (samples) or at every step
 (beams). Forked sequences share their blocks until one writes into a shared block
@@ -19,7 +19,7 @@ from typing import Any
 from pagedllm.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.IntEnum):
+class SequenceStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
@@ -32,7 +32,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > SequenceStatus.PREEMPTED
 
     @property
     def finish_reason(self) -> str | None:
@@ -40,13 +40,13 @@ class RequestStatus(enum.IntEnum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 
-class Request:
+class Sequence:
     """One sequence: a prompt and its generated tokens.
 
     The one invariant the scheduler drives: `num_computed_tokens` (tokens whose K/V are in the
@@ -79,7 +79,7 @@ class Request:
         # Resolved output budget (sampling_params.max_tokens, capped by max_model_len).
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -136,23 +136,23 @@ class Request:
         if self.grammar is not None:
             self.grammar.accept_token(token_id)
 
-    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+    def check_stop(self, token_id: int, max_model_len: int) -> SequenceStatus | None:
         """The status that `token_id`, just appended, ends this sequence with, if any."""
         params = self.sampling_params
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 self.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
         if self.grammar is not None and self.grammar.is_terminated():
             self.stop_reason = None  # the constrained output is complete
-            return RequestStatus.FINISHED_STOPPED
+            return SequenceStatus.FINISHED_STOPPED
         if self.max_tokens is not None and self.num_output_tokens >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
         if self.num_tokens >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def usable_drafts(self, drafts: list[int] | None, max_model_len: int) -> list[int]:
@@ -181,7 +181,7 @@ class Request:
         del self.all_token_ids[len(self.all_token_ids) - dropped :]
         del self.output_logprobs[num_output_tokens:]
 
-    def with_drafts(self, drafts: list[int]) -> Request:
+    def with_drafts(self, drafts: list[int]) -> Sequence:
         """A view of this sequence as if `drafts` were accepted: what sampling the position
         after them sees (penalties, min_tokens, its grammar's state). The grammar is a copy;
         the sequence itself is unchanged."""
@@ -205,7 +205,7 @@ class Request:
             return group.num_samples
         return 1
 
-    def fork(self, seq_id: str, sample_index: int) -> Request:
+    def fork(self, seq_id: str, sample_index: int) -> Sequence:
         """A copy sharing everything so far; the KV cache manager shares its blocks."""
         child = copy.copy(self)
         child.seq_id = seq_id
@@ -222,7 +222,7 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.seq_id!r}, status={self.status.name}, "
+            f"Sequence({self.seq_id!r}, status={self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
 
@@ -234,12 +234,12 @@ class SequenceGroup:
     Beam search keeps its finished hypotheses in `beam` (a `BeamSearchState`) instead.
     """
 
-    def __init__(self, first: Request) -> None:
+    def __init__(self, first: Sequence) -> None:
         params = first.sampling_params
         self.request_id = first.request_id
         self.first = first  # the original sequence: prompt, parameters, arrival time
-        self.seqs: list[Request] = [first]
-        self.finished_seqs: list[Request] = []
+        self.seqs: list[Sequence] = [first]
+        self.finished_seqs: list[Sequence] = []
         self.is_beam_search = params.use_beam_search
         # Sequences to run: best_of samples (n unless given) or beam_width beams.
         self.num_samples = params.num_sequences
