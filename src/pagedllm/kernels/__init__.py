@@ -26,11 +26,16 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp", "quant_linear.cpp",
-                 "dense_linear.cpp", "decoder.cpp", "lora.cpp", "int8_act_linear.cpp",
-                 "int8_act_avx512_vnni.cpp", "int8_act_avx2.cpp")
+    for name in ("module.cpp", "paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp",
+                 "quant_linear.cpp", "quant_int4_bf16.cpp", "dense_linear.cpp", "decoder.cpp",
+                 "lora.cpp", "int8_act_linear.cpp", "int8_act_avx512_vnni.cpp",
+                 "int8_act_avx2.cpp")
 ]  # fmt: skip
-HEADERS = [CSRC / "ops.h", CSRC / "kv_format.h", CSRC / "linear_tiles.h", CSRC / "int8_act.h"]
+HEADERS = [
+    CSRC / name
+    for name in ("ops.h", "kv_format.h", "linear_tiles.h", "int8_act.h", "quant_blocks.h",
+                 "attention_chunk.h")
+]  # fmt: skip
 
 
 def _capability_flags() -> list[str]:

@@ -32,7 +32,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
 void add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
               const at::Tensor& row_slots, const at::Tensor& columns);
 
-// quant_linear.cpp
+// quant_linear.cpp, quant_int4_bf16.cpp (int4_takes_bf16)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
