@@ -157,3 +157,22 @@ def test_the_checks_find_what_they_look_for():
         {"pagedllm.core.scheduler", "pagedllm.engine.llm_engine"} <= set(c)
         for c in circles(planted)
     )
+
+
+def long_files(root: Path, limit: int = 500) -> list[tuple[str, int]]:
+    """Source files (Python, C++, headers) of more than `limit` lines under `root`."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h") and "egg-info" not in str(path):
+            lines = path.read_text().count("\n")
+            if lines > limit:
+                found.append((str(path.relative_to(root)), lines))
+    return found
+
+
+def test_files_do_one_job(tmp_path):
+    """No source file in src/ over 500 lines (a sign of a file with several jobs); the check
+    finds a file planted over the limit."""
+    assert long_files(SRC) == []
+    (tmp_path / "big.cpp").write_text("//\n" * 501)
+    assert long_files(tmp_path) == [("big.cpp", 501)]
