@@ -200,3 +200,19 @@ def test_a_request_made_by_the_caller_is_taken_whole_and_a_bad_prompt_leaks_no_s
         assert asyncio.run(collect(aengine, PROMPTS[0], "bad"))[-1].finished
     finally:
         aengine.shutdown()
+
+
+def test_the_loop_answers_every_typed_call_and_only_those(tiny):
+    """EngineCore.calls and core_channel.CALLS (the calls' argument types) name the same
+    calls; a call's arguments are converted to those types in the server's process too."""
+    from pagedllm.engine import core_channel as channel
+
+    aengine = AsyncLLMEngine(make_engine(tiny))
+    try:
+        assert set(aengine.core.calls) == set(channel.CALLS)
+        assert aengine.call_blocking("kv_snapshot", True)["integrity"]["ok"]
+        assert aengine.call_blocking("reset_prefix_cache") is True
+        with pytest.raises(ValueError, match="memory_report: Expected `bool`, got `int`"):
+            aengine.call_blocking("memory_report", 1, 0)
+    finally:
+        aengine.shutdown()

@@ -19,6 +19,7 @@ from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.grammar_compile import GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.streams import StreamBacklogError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import StructuredOutputsParams
 from tests.conftest import save_tiny_llama
 
@@ -109,6 +110,18 @@ def test_outputs_equal_the_in_process_engine(args, expected):
         assert (final.text, final.token_ids) == expected["greedy"][0][:2]
         clean(client)
         assert client.get_stats()["num_generation_tokens_total"] > 0
+        # Calls cross typed: the arguments as core_channel.CALLS types them, checked on arrival
+        # (a wrong one is the caller's error), and the values as plain data.
+        assert client.call_blocking("leak_report")["idle"] is True
+        report = client.call_blocking("memory_report", False, True)
+        assert report["rss_bytes"] > 0 and isinstance(report["object_types"], dict)
+        with pytest.raises(ValueError, match="^ValueError: LoRA adapters need"):
+            client.call_blocking("check_lora", LoRARequest("a", 1, "/no/such/adapter"))
+        with pytest.raises(ValueError, match="kv_snapshot: Expected `bool`, got `str`"):
+            client.call_blocking("kv_snapshot", "yes")
+        with pytest.raises(ValueError, match="the engine has no call 'unpickle'"):
+            client.call_blocking("unpickle", b"...")
+        clean(client)
     finally:
         client.shutdown()
     assert engine_processes() == []

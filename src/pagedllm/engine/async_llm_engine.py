@@ -180,7 +180,7 @@ class AsyncLLMEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self._inbox.put(channel.Call(call_id, method, channel.pack(args)))
+        self._inbox.put(channel.Call(call_id, method, list(args)))
         if self._loop_done.is_set():  # stopped after the check: nobody will take the call
             self._fail_pending_calls()
         return future

@@ -2,12 +2,12 @@
 engine/core_client.py): msgpack frames over ZMQ sockets, typed with msgspec. Each direction has
 one socket (PUSH to PULL), so messages arrive in the order they were sent. A request travels as
 its typed struct (EngineCoreRequest), the engine's outputs and counters as theirs
-(EngineCoreOutput: token ids; EngineStats); calls' arguments and values still travel inside as
-pickles: both ends run the same code, and the sockets are local to the machine and the user."""
+(EngineCoreOutput: token ids; EngineStats), a call's arguments as the types CALLS names for its
+method (checked on arrival) and its value as plain data (numbers, strings, lists and maps).
+Nothing is pickled."""
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import msgspec
@@ -15,6 +15,7 @@ import msgspec
 from pagedllm.engine.core_output import EngineCoreOutput
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.stats import EngineStats
+from pagedllm.lora_request import LoRARequest
 
 # The engine process's exit status when it lost a tensor-parallel worker (not its requests'
 # fault: they are resumed without blame).
@@ -43,11 +44,34 @@ class Finish(msgspec.Struct, tag=True):
 
 
 class Call(msgspec.Struct, tag=True):
-    """A call answered by a Reply of the same id: `method` of the engine core's CALLS."""
+    """A call answered by a Reply of the same id: `method`, one of CALLS (EngineCore.calls)."""
 
     call_id: int
     method: str
-    args: bytes  # pickled tuple
+    args: list[Any]  # CALLS[method]'s types: call_args() checks and converts them
+
+
+# The calls an engine answers, with the types of their arguments.
+CALLS: dict[str, Any] = {
+    "kv_snapshot": tuple[bool],  # check
+    "check_lora": tuple[LoRARequest],
+    "reset_prefix_cache": tuple[()],
+    # Diagnostics (a soak, a leak hunt): engine/diagnostics.py.
+    "memory_report": tuple[bool, bool],  # trim_heap, by_type
+    "leak_report": tuple[()],
+    "make_pool_resident": tuple[()],
+}
+
+
+def call_args(message: Call) -> tuple:
+    """The call's arguments as CALLS types them; ValueError for an unknown method or
+    arguments of other types."""
+    if message.method not in CALLS:
+        raise ValueError(f"the engine has no call {message.method!r}")
+    try:
+        return msgspec.convert(message.args, CALLS[message.method])
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{message.method}: {e}") from None
 
 
 class Stop(msgspec.Struct, tag=True):
@@ -85,7 +109,7 @@ class Rejected(msgspec.Struct, tag=True):
 class Reply(msgspec.Struct, tag=True):
     call_id: int
     ok: bool
-    value: bytes  # pickled result, or the exception's message
+    value: Any  # the call's value (plain data), or the exception's message
 
 
 class Fatal(msgspec.Struct, tag=True):
@@ -114,11 +138,3 @@ def decode_to_engine(frame: bytes) -> ToEngine:
 
 def decode_from_engine(frame: bytes) -> FromEngine:
     return _from_engine.decode(frame)
-
-
-def pack(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def unpack(data: bytes) -> Any:
-    return pickle.loads(data)

@@ -267,7 +267,7 @@ class EngineCoreClient:
                 raise EngineDeadError("the engine process is restarting")
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-            if not self._send(channel.Call(call_id, method, channel.pack(args))):
+            if not self._send(channel.Call(call_id, method, list(args))):
                 del self._calls[call_id]
                 raise EngineDeadError("the engine process is restarting")
         return future
@@ -307,7 +307,7 @@ class EngineCoreClient:
                     tracked.stream.put(rejection(message.kind, message.message))
             elif isinstance(message, channel.Reply):
                 future = self._calls.pop(message.call_id, None)
-                settle(future, message.ok, channel.unpack(message.value))
+                settle(future, message.ok, message.value)
             elif isinstance(message, channel.Fatal):
                 process.fatal = message
 

@@ -155,7 +155,7 @@ class ZmqOutbox:
         self.socket.send(channel.encode(channel.Rejected(request_id, kind, message)))
 
     def reply(self, call_id: int, ok: bool, value) -> None:
-        self.socket.send(channel.encode(channel.Reply(call_id, ok, channel.pack(value))))
+        self.socket.send(channel.encode(channel.Reply(call_id, ok, value)))
 
     def forget(self, request_ids: list[str]) -> None:
         pass  # the server forgot them first

@@ -166,7 +166,8 @@ class EngineCore:
 
     def _call(self, message: channel.Call) -> None:
         try:
-            value, ok = self.calls[message.method](*channel.unpack(message.args)), True
+            args = channel.call_args(message)  # first: ValueError for an unknown method
+            value, ok = self.calls[message.method](*args), True
         except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
             value, ok = f"{type(e).__name__}: {e}", False
         self.outbox.reply(message.call_id, ok, value)
