@@ -132,7 +132,7 @@ def simulate(
     final_lens = {}
     for i, (prompt, output_len) in enumerate(workload):
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        request = Sequence(str(i), prompt, params, eos_token_ids=[], arrival_time=float(i))
+        request = Sequence.of(str(i), prompt, params, eos_token_ids=[], arrival_time=float(i))
         scheduler.add_request(request)
         final_lens[request.request_id] = len(prompt) + output_len
     breakdown = KVSlotBreakdown()

@@ -52,7 +52,7 @@ def _sequence(context_len: int, vocab: np.ndarray, seed: int):
     tokens = vocab[rng.integers(0, vocab.size, size=context_len)].tolist()
     prompt_len = max(1, context_len - context_len // 2)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=context_len)
-    seq = Sequence(f"preempted-{context_len}", tokens[:prompt_len], params)
+    seq = Sequence.of(f"preempted-{context_len}", tokens[:prompt_len], params)
     for token_id in tokens[prompt_len:]:
         seq.append_output_token(token_id)
     return seq

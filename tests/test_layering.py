@@ -23,6 +23,7 @@ LAYERS = [
         "lora_request",
         "version",
     ],  # fmt: skip
+    ["request"],
     ["sequence"],
     ["core"],
     ["kernels", "kv_calc"],

@@ -16,6 +16,8 @@ import itertools
 import time
 from typing import Any
 
+from pagedllm.lora_request import LoRARequest
+from pagedllm.request import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -56,32 +58,25 @@ class Sequence:
 
     def __init__(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        request: EngineCoreRequest,
         eos_token_ids: list[int] | None = None,
         max_tokens: int | None = None,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-        lora_request: Any = None,
-        priority: int = 0,
     ) -> None:
-        self.request_id = request_id
+        # The user's request as it arrived, carried unchanged (shared by the group's
+        # sequences): its id, prompt, parameters, arrival time, salt, adapter and priority.
+        self.request = request
         # The key of this sequence's block table and scheduled tokens: the request id for the
         # first sequence of a group, a derived unique id for its forks.
-        self.seq_id = request_id
+        self.seq_id = request.request_id
         self.sample_index = 0  # which of the group's samples (or beams) this is
-        self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
+        # A pooling request's placeholder, never read for sampling: it is prefill-only.
+        self.sampling_params = request.sampling_params or SamplingParams(max_tokens=1)
         self.eos_token_ids = list(eos_token_ids or [])
         # Resolved output budget (sampling_params.max_tokens, capped by max_model_len).
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
-        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.max_tokens = max_tokens if max_tokens is not None else self.sampling_params.max_tokens
         self.status = SequenceStatus.WAITING
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -89,13 +84,8 @@ class Sequence:
         # runner's per-token logprob records when they are computed.
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[Any] = []
-        # Prefix caching: mixed into the first block's hash, so only requests with the same salt
-        # share cached blocks; and the hashes of the full blocks so far, extended as tokens grow
-        # (by core.block_hash.update_block_hashes).
-        self.cache_salt = cache_salt
-        # The LoRA adapter this request runs with (a lora_request.LoRARequest), or None.
-        self.lora_request = lora_request
-        self.priority = priority  # --scheduling-policy priority: lower values run first
+        # Prefix caching: the hashes of the full blocks so far, extended as tokens grow (by
+        # core.block_hash.update_block_hashes; the request's cache_salt and adapter mix in).
         self.block_hashes: list[bytes] = []
         # Structured outputs: this sequence's grammar state (a structured_output.Grammar), which
         # consumes each output token; None when unconstrained.
@@ -108,6 +98,59 @@ class Sequence:
         self.pooling_params: Any = None
         self.pooled: Any = None
         self.group = SequenceGroup(self)
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int] | None = None,
+        *,
+        max_tokens: int | None = None,
+        arrival_time: float | None = None,
+        **fields,
+    ) -> Sequence:
+        """The first sequence of a request made here, not by an engine's client (a scheduler
+        driven by a fake model, a simulation); `fields`: EngineCoreRequest's others."""
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            **fields,
+        )
+        return cls(request, eos_token_ids, max_tokens)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> str | None:
+        return self.request.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Mixed into the first block's hash: only requests with the same salt share blocks."""
+        return self.request.cache_salt
+
+    @property
+    def lora_request(self) -> LoRARequest | None:
+        return self.request.lora_request
+
+    @property
+    def priority(self) -> int:
+        """With --scheduling-policy priority, lower values run first."""
+        return self.request.priority
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -236,8 +279,9 @@ class SequenceGroup:
 
     def __init__(self, first: Sequence) -> None:
         params = first.sampling_params
+        self.request = first.request  # the user's request, unchanged
         self.request_id = first.request_id
-        self.first = first  # the original sequence: prompt, parameters, arrival time
+        self.first = first  # the original sequence
         self.seqs: list[Sequence] = [first]
         self.finished_seqs: list[Sequence] = []
         self.is_beam_search = params.use_beam_search
@@ -249,7 +293,7 @@ class SequenceGroup:
 
     @property
     def arrival_time(self) -> float:
-        return self.first.arrival_time
+        return self.request.arrival_time
 
     @property
     def sampling_params(self):
@@ -257,12 +301,12 @@ class SequenceGroup:
 
     @property
     def priority(self) -> int:
-        return self.first.priority
+        return self.request.priority
 
     @property
     def lora_int_id(self) -> int | None:
         """The adapter the group runs with (its slot must be free to admit it), or None."""
-        lora = self.first.lora_request
+        lora = self.request.lora_request
         return None if lora is None else lora.lora_int_id
 
     def is_finished(self) -> bool:

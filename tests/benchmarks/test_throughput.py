@@ -38,7 +38,7 @@ def test_cli_defaults_and_flags():
 
 
 def _request(request_id, num_prompt):
-    return Sequence(request_id, list(range(num_prompt)), SamplingParams(max_tokens=8))
+    return Sequence.of(request_id, list(range(num_prompt)), SamplingParams(max_tokens=8))
 
 
 def test_kv_usage_tracker_counts_blocks_and_held_tokens():

@@ -68,7 +68,7 @@ def test_first_fit_suffers_external_fragmentation():
 
 def _request(i, prompt_len, output_len):
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    return Sequence(str(i), list(range(1, prompt_len + 1)), params, [], arrival_time=float(i))
+    return Sequence.of(str(i), list(range(1, prompt_len + 1)), params, [], arrival_time=float(i))
 
 
 @pytest.mark.parametrize("allocator", ["buddy", "first-fit"])

@@ -104,7 +104,7 @@ class InterfaceOnly:
 def run_through_the_interface(s: Scheduler, runner: SwapRunner, requests: list[Sequence]):
     s.kv_cache_manager = InterfaceOnly(s.kv_cache_manager)  # the runner was built before
     for i, r in enumerate(requests):
-        r.arrival_time = float(i)
+        r.request.arrival_time = float(i)
         s.add_request(r)
     for _ in range(3000):
         if not s.has_unfinished_requests():

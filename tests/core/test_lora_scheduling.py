@@ -19,7 +19,7 @@ def _scheduler(max_loras=2, num_blocks=256, max_num_seqs=16):
 
 def _add(scheduler, lora: int | None, max_tokens=4, prompt_len=6):
     r = make_request(prompt_len, max_tokens)
-    r.lora_request = None if lora is None else LoRARequest(f"l{lora}", lora, f"/p{lora}")
+    r.request.lora_request = None if lora is None else LoRARequest(f"l{lora}", lora, f"/p{lora}")
     scheduler.add_request(r)
     return r
 

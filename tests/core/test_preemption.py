@@ -272,7 +272,7 @@ def run_mixed(**config):
         for i, (p, kw) in enumerate(MIXED)
     ]
     for i, r in enumerate(requests):
-        r.arrival_time = float(i)
+        r.request.arrival_time = float(i)
         s.add_request(r)
     outs = run(s, runner)
     assert_all_free(s)

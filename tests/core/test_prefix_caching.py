@@ -15,7 +15,7 @@ _ids = itertools.count()
 
 def make_request(prompt, max_tokens=4, arrival=None, salt=None) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(
+    return Sequence.of(
         f"p{next(_ids)}",
         list(prompt),
         params,

@@ -16,7 +16,7 @@ def _scheduler(policy="priority", num_blocks=256, max_num_seqs=1, budget=64):
 
 def _add(s, priority, prompt_len=6, max_tokens=3):
     r = make_request(prompt_len, max_tokens)
-    r.priority = priority
+    r.request.priority = priority
     s.add_request(r)
     return r
 

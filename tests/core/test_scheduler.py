@@ -18,7 +18,7 @@ def make_request(prompt_len: int, max_tokens: int, arrival: float | None = None)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     n = next(_ids)
     # Distinct prompts, so that prefix caching (on by default) shares nothing between requests.
-    return Sequence(
+    return Sequence.of(
         f"r{n}",
         [1000 * (n + 1) + i for i in range(prompt_len)],
         params,
@@ -232,10 +232,10 @@ def test_abort_frees_blocks_running_and_waiting():
 
 def test_stop_conditions_eos_stop_token_min_tokens_and_max_model_len():
     s = make_scheduler(max_model_len=12)
-    eos = Sequence("eos", [1, 2], SamplingParams(max_tokens=5), eos_token_ids=[7])
-    stop = Sequence("stop", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[7]), [99])
-    min_tok = Sequence("min", [1, 2], SamplingParams(max_tokens=5, min_tokens=3), [7])
-    capped = Sequence("cap", [1] * 10, SamplingParams(max_tokens=None, ignore_eos=True), [7])
+    eos = Sequence.of("eos", [1, 2], SamplingParams(max_tokens=5), eos_token_ids=[7])
+    stop = Sequence.of("stop", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[7]), [99])
+    min_tok = Sequence.of("min", [1, 2], SamplingParams(max_tokens=5, min_tokens=3), [7])
+    capped = Sequence.of("cap", [1] * 10, SamplingParams(max_tokens=None, ignore_eos=True), [7])
     for r in (eos, stop, min_tok, capped):
         s.add_request(r)
     run_to_completion(s)

@@ -36,7 +36,7 @@ def make_request(prompt_len, n=1, max_tokens=8, best_of=None, beam=None, ignore_
                                 ignore_eos=ignore_eos, **kwargs)  # fmt: skip
     if prompt is None:
         prompt = [1 + h(i, j) % (VOCAB - 1) for j in range(prompt_len)]
-    return Sequence(f"g{i}", prompt, params, eos_token_ids=[EOS], arrival_time=arrival)
+    return Sequence.of(f"g{i}", prompt, params, eos_token_ids=[EOS], arrival_time=arrival)
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, budget=64, max_model_len=64,
@@ -393,7 +393,7 @@ def run_mixed(prefix_caching, **config):
         for i, (p, kw) in enumerate(MIXED)
     ]
     for i, r in enumerate(requests):
-        r.arrival_time = float(i)
+        r.request.arrival_time = float(i)
         s.add_request(r)
     outs = run(s, runner)
     assert_all_free(s)

@@ -85,7 +85,7 @@ class FakeRunner:
 
 def make_request(prompt, max_tokens, n=1) -> Sequence:
     params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    return Sequence(f"r{next(_ids)}", prompt, params, eos_token_ids=[0])
+    return Sequence.of(f"r{next(_ids)}", prompt, params, eos_token_ids=[0])
 
 
 def run(windows, requests, num_blocks, block_size=4, budget=16, mode="recompute", cpu=0,

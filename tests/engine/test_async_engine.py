@@ -116,8 +116,8 @@ def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(tiny):
     import time
 
     from pagedllm.engine import core_channel as channel
-    from pagedllm.engine.core_request import EngineCoreRequest
     from pagedllm.engine.streams import RequestStream
+    from pagedllm.request import EngineCoreRequest
 
     aengine = AsyncLLMEngine(make_engine(tiny, max_model_len=32))
     try:
@@ -179,12 +179,12 @@ def test_shutdown_aborts_what_is_in_flight(tiny):
 
 
 def test_a_request_made_by_the_caller_is_taken_whole_and_a_bad_prompt_leaks_no_stream(tiny):
-    """The serving layer makes the EngineCoreRequest (engine/core_request.py) and generate takes
+    """The serving layer makes the EngineCoreRequest (request.py) and generate takes
     it as it is; a prompt that cannot be made into one is a ValueError before any stream is
     opened, so its id stays free."""
     import time
 
-    from pagedllm.engine.core_request import EngineCoreRequest
+    from pagedllm.request import EngineCoreRequest
 
     aengine = AsyncLLMEngine(make_engine(tiny))
     try:

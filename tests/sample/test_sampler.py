@@ -19,7 +19,7 @@ NEG_INF = float("-inf")
 
 
 def req(i=0, prompt=(1, 2, 3), outputs=(), eos=(), **params):
-    r = Sequence(f"r{i}", list(prompt), SamplingParams(**params), eos_token_ids=list(eos))
+    r = Sequence.of(f"r{i}", list(prompt), SamplingParams(**params), eos_token_ids=list(eos))
     for t in outputs:
         r.append_output_token(t)
     return r

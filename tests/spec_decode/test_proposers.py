@@ -19,7 +19,7 @@ def config(**fields) -> SpeculativeConfig:
 
 
 def seq(prompt, request_id="r", n=1) -> Sequence:
-    return Sequence(request_id, list(prompt), SamplingParams(n=n, max_tokens=100))
+    return Sequence.of(request_id, list(prompt), SamplingParams(n=n, max_tokens=100))
 
 
 def propose(proposer, s: Sequence, new: list[int], batch_size=1, verified=0) -> list[int]:
@@ -88,7 +88,7 @@ def test_no_drafts_for_beam_search_a_group_s_first_token_or_a_large_batch():
     assert propose(proposer, seq(loop), [2], batch_size=4) == [1, 2]
     assert propose(proposer, seq(loop, "b"), [2], batch_size=5) == []
     assert propose(proposer, seq(loop, "c", n=3), [2, 2, 2]) == []  # forks into 3
-    beam = Sequence(
+    beam = Sequence.of(
         "d", loop, SamplingParams(use_beam_search=True, n=2, max_tokens=5, temperature=0)
     )
     assert propose(proposer, beam, [2]) == []

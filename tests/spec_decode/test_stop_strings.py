@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.engine.core_output import EngineCoreOutput, SampleDelta
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.request import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the default model's tokenizer

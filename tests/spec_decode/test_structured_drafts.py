@@ -31,7 +31,7 @@ def test_drafts_are_cut_where_the_grammar_refuses(llms):
     manager = StructuredOutputManager(tokenizer, llms[0].llm_engine.model_config.vocab_size,
                                       llms[0].llm_engine.eos_token_ids)  # fmt: skip
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab)+c"))
-    seq = Sequence("r", tokenizer.encode("x"), params)
+    seq = Sequence.of("r", tokenizer.encode("x"), params)
     seq.grammar = manager.grammar(params.structured_outputs)
     a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
     assert seq.usable_drafts([a, b, a, b, c, a], 512) == [a, b, a, b, c]

@@ -25,7 +25,6 @@ import threading
 from collections.abc import AsyncIterator
 
 from pagedllm.engine import core_channel as channel
-from pagedllm.engine.core_request import EngineCoreRequest, as_core_request
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -40,6 +39,7 @@ from pagedllm.engine.streams import (
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.request import EngineCoreRequest, as_core_request
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")

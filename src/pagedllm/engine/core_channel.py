@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 
 from pagedllm.engine.core_output import EngineCoreOutput
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.stats import EngineStats
 from pagedllm.lora_request import LoRARequest
+from pagedllm.request import EngineCoreRequest
 
 # The engine process's exit status when it lost a tensor-parallel worker (not its requests'
 # fault: they are resumed without blame).

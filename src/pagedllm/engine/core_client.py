@@ -40,7 +40,6 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_launch import EngineLaunch
 from pagedllm.engine.core_proc import Faults
-from pagedllm.engine.core_request import EngineCoreRequest, as_core_request
 from pagedllm.engine.core_supervisor import MAX_RESTARTS, RESTART_WINDOW, EngineProcess
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
@@ -58,6 +57,7 @@ from pagedllm.engine.streams import (
 from pagedllm.engine.tracked_request import TrackedRequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.request import EngineCoreRequest, as_core_request
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")

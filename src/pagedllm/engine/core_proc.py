@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import init_logger
 from pagedllm.procs import die_with_parent
+from pagedllm.request import EngineCoreRequest
 
 logger = logging.getLogger("pagedllm")
 

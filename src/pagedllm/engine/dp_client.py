@@ -25,13 +25,13 @@ from collections.abc import AsyncIterator
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.counters import sum_counters
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.streams import EngineDeadError
 from pagedllm.outputs import RequestOutput
+from pagedllm.request import EngineCoreRequest
 
 # Prefix affinity: a prompt's prefixes at these lengths (characters of a text prompt, tokens of
 # a tokenized one), each remembered for the replica last sent it, up to AFFINITY_ENTRIES.

@@ -22,10 +22,10 @@ from typing import Protocol
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine import diagnostics
 from pagedllm.engine.core_output import EngineCoreOutput
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.grammar_compile import Compiling, GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.heap import trim_heap
+from pagedllm.request import EngineCoreRequest
 
 logger = logging.getLogger("pagedllm")
 

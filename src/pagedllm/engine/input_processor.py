@@ -9,12 +9,12 @@ import threading
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_spec import KVCacheSpec
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.request_checks import check_dimensions, check_fits, check_vocab
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.lora_adapter import load_lora_adapter
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.request import EngineCoreRequest
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.sequence import Sequence
 from pagedllm.structured_output import Grammar, StructuredOutputManager
 
@@ -39,13 +39,12 @@ class InputProcessor:
         self._checked_loras: dict[int, str] = {}  # adapter id -> its path, once read and checked
 
     def process(self, core: EngineCoreRequest, grammar: Grammar | None = None) -> Sequence:
-        """The request's first sequence (its group is `request.group`); ValueError if it is
-        one the engine must refuse. `grammar`: its structured-output constraint compiled
-        already (compile_grammar, off the engine's thread); else it is compiled here."""
+        """The request's first sequence (its group is `seq.group`; both hold `core` as it is);
+        ValueError if it is one the engine must refuse. `grammar`: its structured-output
+        constraint compiled already (compile_grammar, off the engine's thread); else it is
+        compiled here."""
         config = self.config
-        request_id, params, priority = core.request_id, core.params, core.priority
-        arrival_time, cache_salt = core.arrival_time, core.cache_salt
-        lora_request = core.lora_request
+        params, priority, lora_request = core.params, core.priority, core.lora_request
         pooling = isinstance(params, PoolingParams)
         runner = config.model.runner
         if pooling != (runner == "pooling"):
@@ -65,40 +64,24 @@ class InputProcessor:
             self._check_sequences(params.num_sequences)
         if lora_request is not None:
             self.check_lora(lora_request)
-        text, token_ids = core.prompt, core.prompt_token_ids
+        token_ids = core.prompt_token_ids
         self._validate_prompt(token_ids, room_for_output=not pooling)
-        if pooling:  # prefill-only: its placeholder SamplingParams are never read for sampling
-            request = Sequence(
-                request_id, token_ids, SamplingParams(max_tokens=1), self.eos_token_ids, 1, text,
-                arrival_time, cache_salt=cache_salt, lora_request=lora_request, priority=priority,
-            )  # fmt: skip
-            request.pooling_params = dataclasses.replace(
-                params, pooling_type=config.model.pooling_type
-            )
-            return request
+        if pooling:  # prefill-only: one token's budget, never sampled
+            seq = Sequence(core, self.eos_token_ids, 1)
+            seq.pooling_params = dataclasses.replace(params, pooling_type=config.model.pooling_type)
+            return seq
         vocab = config.model.arch.vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         room = config.scheduler.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._validate_group(params.num_sequences, len(token_ids) + max_tokens)
-        request = Sequence(
-            request_id,
-            token_ids,
-            params,
-            self.eos_token_ids,
-            max_tokens,
-            text,
-            arrival_time,
-            cache_salt=cache_salt,
-            lora_request=lora_request,
-            priority=priority,
-        )
+        seq = Sequence(core, self.eos_token_ids, max_tokens)
         if params.structured_outputs is not None:
             if grammar is None:
                 grammar = self.compile_grammar(params.structured_outputs)
-            request.grammar = grammar
-        return request
+            seq.grammar = grammar
+        return seq
 
     def compile_grammar(self, structured_outputs: StructuredOutputsParams) -> Grammar:
         """The constraint compiled against this model's tokenizer (any thread)."""

@@ -19,7 +19,6 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
 from pagedllm.engine.core_output import EngineCoreOutput
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_info import EngineDescription
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_events import KVEventPublisher
@@ -32,6 +31,7 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput, ResumedOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.request import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sequence import SequenceStatus
 from pagedllm.structured_output import Grammar

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import (
     CompletionOutput,
@@ -29,6 +28,7 @@ from pagedllm.outputs import (
     ResumedOutput,
     TokenLogprobs,
 )
+from pagedllm.request import EngineCoreRequest
 
 logger = logging.getLogger("pagedllm")
 

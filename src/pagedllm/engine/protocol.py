@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_info import EngineDescription
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.request import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 

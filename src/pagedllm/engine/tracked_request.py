@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.streams import RequestStream
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.request import EngineCoreRequest
 
 
 @dataclass

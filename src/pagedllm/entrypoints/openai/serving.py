@@ -14,7 +14,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_llm_engine import EngineDeadError
-from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.engine.request_checks import check_fits, check_vocab
 from pagedllm.entrypoints.openai.errors import (
@@ -33,6 +32,7 @@ from pagedllm.entrypoints.openai.streaming import (
     unless_disconnected,
 )
 from pagedllm.outputs import RequestOutput
+from pagedllm.request import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")

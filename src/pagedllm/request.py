@@ -1,9 +1,9 @@
-"""EngineCoreRequest: one request as the engine takes it, made once where it enters (the offline
-engine's add_request, the async engine's or the engine-process client's generate: the prompt is
-tokenized there, on the server's side) and carried unchanged to the input processor, which
-makes the scheduler's Sequence from it. A msgspec struct: it crosses the process boundary as it
-is (engine/core_channel.py), no field list by position. A new request field goes here, where
-the request is made, and where it is used."""
+"""EngineCoreRequest: the user's request as every engine takes it, made once where it enters
+(the serving layer, the offline engine's add_request, a client's generate: the prompt is
+tokenized there, on the server's side) and carried unchanged to the input processor and into
+the scheduler's sequences, which hold it as it is (`Sequence.request`). A msgspec struct: it
+crosses the process boundary as it is (engine/core_channel.py), no field list by position. A
+new request field goes here, where the request is made, and where it is used."""
 
 from __future__ import annotations
 
