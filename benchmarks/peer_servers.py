@@ -250,8 +250,7 @@ def _pagedllm_dtype(engine_args: EngineArgs, weights_line: str | None) -> str:
         return engine_args.dtype
     from pagedllm.engine.arg_utils import auto_dtype, resolve_device
 
-    dtype = auto_dtype(resolve_device(engine_args.device))
-    return str(dtype).removeprefix("torch.")
+    return auto_dtype(resolve_device(engine_args.device))
 
 
 def llama_server_argv(

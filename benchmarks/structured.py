@@ -17,8 +17,8 @@ import time
 from contextlib import contextmanager
 
 from benchmarks import common
-from pagedllm import structured_output
 from pagedllm.config import EngineArgs
+from pagedllm.sample import grammar_mask
 from pagedllm.sample import sampler as sampler_module
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -63,7 +63,7 @@ def run_batch(engine, prompts: list[dict], params: list[SamplingParams]) -> dict
     steps = 0
     start = time.perf_counter()
     with (
-        _timed(structured_output, "grammar_bitmask", totals),
+        _timed(grammar_mask, "grammar_bitmask", totals),
         _timed(sampler_module, "apply_grammar_bitmask", totals),
     ):
         while engine.has_unfinished_requests():

@@ -5,6 +5,8 @@ import each other round a circle. Reads the sources only; nothing is imported.""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -177,3 +179,35 @@ def test_files_do_one_job(tmp_path):
     assert long_files(SRC) == []
     (tmp_path / "big.cpp").write_text("//\n" * 501)
     assert long_files(tmp_path) == [("big.cpp", 501)]
+
+
+def modules_importing_torch(modules: list[str]) -> list[str]:
+    """Those of `modules` that import torch, each imported alone in a fresh interpreter."""
+    code = (
+        "import importlib, sys; importlib.import_module(sys.argv[1]); print('torch' in sys.modules)"
+    )
+    found = []
+    for module in modules:
+        result = subprocess.run(
+            [sys.executable, "-c", code, module], capture_output=True, text=True, check=True
+        )
+        if result.stdout.strip() == "True":
+            found.append(module)
+    return found
+
+
+def test_the_api_process_imports_no_torch():
+    """What `pagedllm serve` imports in its own process when the engine runs in another (the
+    default): no torch, which only the engine's process needs (start-up and memory,
+    docs/performance.md). The check finds torch where it is: the engine imports it."""
+    api_side = [
+        "pagedllm.entrypoints.cli",
+        "pagedllm.entrypoints.openai.api_server",
+        "pagedllm.engine.core_client",
+        "pagedllm.engine.dp_client",
+        "pagedllm.model_loader",
+        "pagedllm.models",
+    ]
+    assert modules_importing_torch([*api_side, "pagedllm.engine.llm_engine"]) == [
+        "pagedllm.engine.llm_engine"
+    ]

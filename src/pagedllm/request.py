@@ -18,6 +18,9 @@ from pagedllm.outputs import ResumedOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
+# A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType = str | list[int] | dict
+
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
     request_id: str

@@ -15,7 +15,7 @@ import pytest
 from pagedllm import EngineArgs, SamplingParams
 from pagedllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.engine.core_client import EngineCoreClient
-from pagedllm.engine.core_proc import Faults
+from pagedllm.engine.faults import Faults
 from pagedllm.engine.grammar_compile import GrammarCompiler
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.streams import StreamBacklogError

@@ -15,6 +15,7 @@ from benchmarks.quantization import (
     continuation_logprobs,
 )
 from pagedllm import LLM
+from pagedllm.attention.kv_quant import FLOAT_DTYPES
 from pagedllm.config import EngineArgs
 from pagedllm.engine.arg_utils import auto_dtype
 from pagedllm.layers.quantization import DualLinearMethod, Int4LinearMethod, Int8LinearMethod
@@ -107,7 +108,7 @@ def test_auto_default_reproduces_the_float_model_from_the_codes_alone(reference)
 
 def test_int8_agrees_closely(reference):
     engine, tokens, mean_diff, agreement = _quantized(reference, quantization="int8")
-    assert engine.dtype == auto_dtype(torch.device("cpu"))
+    assert engine.dtype == FLOAT_DTYPES[auto_dtype("cpu")]
     assert isinstance(
         runner_of(engine).model.model.layers[0].self_attn.o_proj.quant_method, Int8LinearMethod
     )
@@ -122,5 +123,5 @@ def test_int8_agrees_closely(reference):
 
 def test_int4_bfloat16_agrees_closely(reference):
     engine, tokens, mean_diff, agreement = _quantized(reference, quantization="int4")
-    assert engine.dtype == auto_dtype(torch.device("cpu"))
+    assert engine.dtype == FLOAT_DTYPES[auto_dtype("cpu")]
     assert agreement >= 0.9 and mean_diff < 0.1, (agreement, mean_diff)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sample.grammar_mask import apply_grammar_bitmask
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output import apply_grammar_bitmask
 
 PERSON = {
     "type": "object",

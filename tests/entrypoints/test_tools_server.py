@@ -4,6 +4,7 @@ not), tool results go back into the conversation, and bad schemas or tools get 4
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -112,12 +113,17 @@ def deep_schema(depth):
 
 
 @pytest.fixture(scope="module")
-def server():
+def served():
     flags = [*FLAGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     proc, url, lines = start_server(flags, timeout=180)
-    yield url
+    yield proc, url
     proc.terminate()
     proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -434,3 +440,14 @@ def test_tool_message_without_its_call_id_gets_400(client):
     messages = [*ASK_WEATHER, {"role": "tool", "content": "22 degrees"}]
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         chat(client, messages, tools=TOOLS, tool_choice="none")
+
+
+def test_the_api_process_never_imports_torch(served, client):
+    """With the engine in its own process (the default) the server's process tokenizes, renders
+    templates, checks schemas and tools, detokenizes and serves without torch, which only the
+    engine's process loads (start-up and memory: docs/performance.md). After every test above
+    and one more tool call, its memory holds no libtorch."""
+    proc, _ = served
+    chat(client, ASK_WEATHER, tools=TOOLS, tool_choice="required")
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "libtorch" not in maps

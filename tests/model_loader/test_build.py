@@ -48,7 +48,7 @@ def _measure(quantization: str) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 def _float32_weight_bytes() -> int:
     """Every tensor of the file in float32: 513 MiB (the built float model holds 515)."""
-    from pagedllm.model_loader.gguf_loader import open_gguf
+    from pagedllm.model_loader.gguf_config import open_gguf
     from pagedllm.model_loader.loader import resolve_model
 
     return 4 * sum(int(t.n_elements) for t in open_gguf(resolve_model(None)).tensors)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.model_loader import load_hf_dir, load_hf_tokenizer, load_model
-from pagedllm.model_loader.hf_loader import config_from_hf
+from pagedllm.model_loader.hf_config import config_from_hf
 
 from .tiny_gguf import random_hf_weights, write_tiny_llama
 

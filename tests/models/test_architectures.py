@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_loader import load_gguf, load_hf_dir
-from pagedllm.model_loader.hf_loader import config_from_hf
+from pagedllm.model_loader.hf_config import config_from_hf
 from pagedllm.models import get_model_class, supported_architectures
 from tests.model_loader.tiny_gguf import gpt2_vocab, write_gguf_from_hf
 from tests.models.paged_runner import PagedRunner, Req

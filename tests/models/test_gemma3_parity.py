@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.gemma3 import modeling_gemma3
 
 from pagedllm.model_loader import load_model
-from pagedllm.model_loader.hf_loader import config_from_hf
+from pagedllm.model_loader.hf_config import config_from_hf
 from pagedllm.models import Gemma3ForCausalLM, get_model_class
 from tests.model_loader.tiny_gguf import write_gemma3_gguf
 from tests.models.paged_runner import PagedRunner, Req
@@ -287,7 +287,7 @@ def test_gguf_defaults_follow_llama_cpp():
     """Without the optional keys: one full layer in 6, local base 10000, the attention scaled by
     head_dim ** -0.5, except for the 27B model (62 layers) where llama.cpp uses hidden / heads."""
     from pagedllm.config import ModelArchConfig
-    from pagedllm.model_loader.gguf_loader import _gemma3_config
+    from pagedllm.model_loader.gguf_config import _gemma3_config
 
     config = ModelArchConfig("Gemma3ForCausalLM", 262144, 5376, 21504, 62, 32, 16, 128)
     _gemma3_config({"gemma3.attention.sliding_window": 1024}, config)

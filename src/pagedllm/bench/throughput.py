@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from pagedllm.bench import hf_baseline, roofline
+from pagedllm.bench import hf_baseline
 from pagedllm.bench.utils import (
     cpu_counters,
     greedy_agreement,
@@ -40,7 +40,6 @@ from pagedllm.bench.utils import (
 )
 from pagedllm.bench.workload import WorkloadRequest, workload_from_tokenizer, workload_tokenizer
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.parallel import COMM_BYTES
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +138,8 @@ class KVUsageTracker:
 # -- pagedllm -----------------------------------------------------------------------------------
 def run_pagedllm(engine, requests: list[WorkloadRequest]) -> dict[str, Any]:
     """Queue every request, then step the engine to completion, sampling KV use each step."""
+    from pagedllm.distributed.parallel import COMM_BYTES  # torch: imported when a run starts
+
     # Warm-up (one tiny request) so first-call overheads are not timed.
     engine.add_request("bench-warm-up", requests[0][0][:8], greedy_params(4))
     while engine.has_unfinished_requests():
@@ -206,6 +207,8 @@ def mfu_figures(
     config, total_tokens_per_s: float, context_len: float, peak: dict[str, Any]
 ) -> dict[str, Any]:
     """The MFU entry of the JSON results: the figure and every number it is made of."""
+    from pagedllm.bench import roofline  # torch: imported when a benchmark runs
+
     fpt = roofline.flops_per_token(config, context_len)
     peak_flops = peak["best_gflops"] * 1e9
     return {
@@ -339,6 +342,8 @@ def main(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             + ", ".join(f"{kind} {b / 1024:.1f} KiB" for kind, b in sorted(comm.items()))
         )
     # MFU: the peak is measured now, after the run, in the dtype the engine ran in.
+    from pagedllm.bench import roofline
+
     peak = roofline.measure_gemm_peak(engine.dtype, device=engine.device)
     print(f"[pagedllm] {roofline.gemm_peak_line(peak)}")
     context = mean_context_len((len(p), n) for p, n in requests)

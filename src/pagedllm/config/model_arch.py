@@ -67,3 +67,21 @@ class ModelArchConfig:
         if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
             return self.sliding_window
         return None
+
+
+# The rope_scaling types layers/rotary.py computes; the loaders refuse others when they read a
+# config (torch-free, so reading a model's config imports no torch).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope_type(rope_scaling: dict | None) -> str:
+    """The type of `rope_scaling`; ValueError, naming the supported types, for one we cannot
+    compute."""
+    if not rope_scaling:
+        return "default"
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    return kind

@@ -85,6 +85,7 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
     stats: EngineStats  # as in Outputs
     lora_stats: dict[str, Any] | None
+    device: str  # the device the engine resolved ("cpu" or "cuda")
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -39,11 +39,10 @@ import msgspec
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine.core_launch import EngineLaunch
-from pagedllm.engine.core_proc import Faults
 from pagedllm.engine.core_supervisor import MAX_RESTARTS, RESTART_WINDOW, EngineProcess
 from pagedllm.engine.engine_info import EngineInfo
+from pagedllm.engine.faults import Faults
 from pagedllm.engine.grammar_compile import GRAMMAR_COMPILE_TIMEOUT
-from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.streams import (
@@ -57,7 +56,7 @@ from pagedllm.engine.streams import (
 from pagedllm.engine.tracked_request import TrackedRequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import EngineCoreRequest, as_core_request
+from pagedllm.request import EngineCoreRequest, PromptType, as_core_request
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -276,6 +275,7 @@ class EngineCoreClient:
     def _start_process(self, launched: EngineLaunch | None = None) -> None:
         ready = self._process.start(launched)
         self._stats, self.lora_stats = ready.stats, ready.lora_stats
+        self.engine.resolve_device(ready.device)
 
     # -- the thread: outputs, watching, restarting ---------------------------------------------
     def _run(self) -> None:

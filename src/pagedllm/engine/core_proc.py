@@ -16,11 +16,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import core_channel as channel
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.faults import Faults
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import init_logger
 from pagedllm.procs import die_with_parent
@@ -29,15 +29,6 @@ from pagedllm.request import EngineCoreRequest
 logger = logging.getLogger("pagedllm")
 
 WORKER_WATCH_PERIOD = 0.5  # seconds between two looks at the tensor-parallel workers
-
-
-@dataclass
-class Faults:
-    """Faults a test injects into engine processes (never set when serving)."""
-
-    hang_at_step: int | None = None  # the first engine process sleeps in this step ...
-    hang_seconds: float = 3600.0  # ... this long
-    crash_on_token: int | None = None  # a process aborts when it runs a prompt with this token
 
 
 def run_engine_core(
@@ -72,7 +63,9 @@ def run_engine_core(
     if faults is not None and generation > 0:
         faults = Faults(crash_on_token=faults.crash_on_token)  # a hang happens once
     core = EngineCoreProc(engine, inputs, outputs, grammar_compile_timeout, faults)
-    ready = channel.Ready(os.getpid(), engine.stats(), engine.lora_stats())
+    ready = channel.Ready(
+        os.getpid(), engine.stats(), engine.lora_stats(), engine.config.device.device
+    )
     outputs.send(channel.encode(ready))
     stopping = threading.Event()
     if engine.config.parallel.tensor_parallel_size > 1:

@@ -27,11 +27,10 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.counters import sum_counters
 from pagedllm.engine.engine_info import EngineInfo
-from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.streams import EngineDeadError
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import EngineCoreRequest
+from pagedllm.request import EngineCoreRequest, PromptType
 
 # Prefix affinity: a prompt's prefixes at these lengths (characters of a text prompt, tokens of
 # a tokenized one), each remembered for the replica last sent it, up to AFFINITY_ENTRIES.
@@ -71,6 +70,7 @@ class DataParallelClient:
             self.shutdown(2.0)
             raise
         self.engine = EngineInfo(self, args)
+        self.engine.resolve_device(self.replicas[0].engine.config.device.device)
         self._load = [0] * size  # unfinished requests sent to each replica
         self._owner: dict[str, int] = {}  # request id -> replica
         self._affinity: OrderedDict[bytes, int] = OrderedDict()

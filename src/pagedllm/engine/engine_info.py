@@ -38,10 +38,19 @@ class EngineInfo(EngineDescription):
     latest counters, and calls that go to the engine process."""
 
     def __init__(self, client, args: EngineArgs) -> None:
+        """The config resolved here at once, so a bad flag or model fails before an engine
+        starts; with --device auto as if on the CPU until the engine says its device
+        (resolve_device): finding out would import torch, which this process never needs."""
         self._client = client
         self.args = args
-        self.config = create_engine_config(args)
+        device = "cpu" if args.device == "auto" else None
+        self.config = create_engine_config(args, device)
         self.tokenizer = load_model_tokenizer(args.model, args.tokenizer)
+
+    def resolve_device(self, device: str) -> None:
+        """The engine's own device (its Ready message): the config as the engine resolved it."""
+        if device != self.config.device.device:
+            self.config = create_engine_config(self.args, device)
 
     def get_stats(self) -> dict:
         return self._client.get_stats()

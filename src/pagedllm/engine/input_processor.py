@@ -18,9 +18,6 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.sequence import Sequence
 from pagedllm.structured_output import Grammar, StructuredOutputManager
 
-# A prompt: a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
-PromptType = str | list[int] | dict
-
 
 class InputProcessor:
     def __init__(

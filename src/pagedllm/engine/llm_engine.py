@@ -20,7 +20,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import create_engine_config
 from pagedllm.engine.core_output import EngineCoreOutput
 from pagedllm.engine.engine_info import EngineDescription
-from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.kv_events import KVEventPublisher
 from pagedllm.engine.kv_snapshot import kv_snapshot
 from pagedllm.engine.output_builder import OutputBuilder
@@ -31,7 +31,7 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.model_loader.loader import load_model_tokenizer
 from pagedllm.outputs import RequestOutput, ResumedOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import EngineCoreRequest
+from pagedllm.request import EngineCoreRequest, PromptType
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sequence import SequenceStatus
 from pagedllm.structured_output import Grammar

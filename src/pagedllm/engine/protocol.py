@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from pagedllm.engine.engine_info import EngineDescription
-from pagedllm.engine.input_processor import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.request import EngineCoreRequest
+from pagedllm.request import EngineCoreRequest, PromptType
 from pagedllm.sampling_params import SamplingParams
 
 

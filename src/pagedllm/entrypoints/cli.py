@@ -189,10 +189,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace, args: EngineArgs, replicas: bool, launched) -> int:
-    from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+    # With the engine in its own process this process never imports torch: it tokenizes,
+    # detokenizes and serves HTTP; the engine process runs the model.
     from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.engine.dp_client import DataParallelClient
-    from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import run_server
     from pagedllm.entrypoints.openai.server_config import server_config_from
 
@@ -212,6 +212,9 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, replicas: bool, launched) -
         except RuntimeError as e:
             raise SystemExit(f"pagedllm serve: {e}") from None
     else:  # run_server runs the engine loop on this thread
+        from pagedllm.engine.async_llm_engine import AsyncLLMEngine
+        from pagedllm.engine.llm_engine import LLMEngine
+
         async_engine = AsyncLLMEngine(
             LLMEngine(args), start_thread=False, max_stream_backlog=ns.max_stream_backlog
         )

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm import kernels
-
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+from pagedllm.config.model_arch import rope_type
 
 
 def compute_inv_freq(
@@ -23,14 +22,14 @@ def compute_inv_freq(
 ) -> tuple[torch.Tensor, int]:
     """Inverse frequencies [head_dim // 2] and the number of positions to cache."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    rope_type = _rope_type(rope_scaling)
-    if rope_type == "default":
+    kind = rope_type(rope_scaling)
+    if kind == "default":
         return inv_freq, max_position_embeddings
     factor = float(rope_scaling["factor"])
-    if rope_type == "linear":
+    if kind == "linear":
         # Positions are divided by factor, i.e. the context is stretched factor times.
         return inv_freq / factor, int(max_position_embeddings * factor)
-    if rope_type == "dynamic":
+    if kind == "dynamic":
         # NTK-aware base, fixed at the longest supported context (as vLLM does). HF instead
         # recomputes it per forward from the batch's longest position, which a KV cache cannot
         # follow; the two agree only in the limit.
@@ -52,22 +51,6 @@ def compute_inv_freq(
     smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, inv_freq_llama), max_position_embeddings
-
-
-def check_rope_scaling(rope_scaling: dict | None) -> None:
-    """Raise ValueError, naming the supported types, for a rope_scaling we cannot compute."""
-    _rope_type(rope_scaling)
-
-
-def _rope_type(rope_scaling: dict | None) -> str:
-    if not rope_scaling:
-        return "default"
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type")) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
-        )
-    return rope_type
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,20 +1,27 @@
-"""Model loading: GGUF files and Hugging Face directories -> config, HF-named weights, tokenizer."""
+"""Model loading: GGUF files and Hugging Face directories -> config, HF-named weights, tokenizer.
 
-from pagedllm.model_loader.gguf_loader import load_gguf, load_gguf_tokenizer
-from pagedllm.model_loader.hf_loader import load_hf_dir, load_hf_tokenizer
-from pagedllm.model_loader.loaded_model import LoadedModel
-from pagedllm.model_loader.loader import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model
-from pagedllm.model_loader.tokenizer import Tokenizer
+The names below are imported when first used: reading a model's config or tokenizer (the API
+server's process does) imports no torch; loading its weights does."""
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "LoadedModel",
-    "Tokenizer",
-    "load_gguf",
-    "load_gguf_tokenizer",
-    "load_hf_dir",
-    "load_hf_tokenizer",
-    "load_model",
-    "load_tokenizer",
-    "resolve_model",
-]
+import importlib
+
+_EXPORTS = {
+    "DEFAULT_MODEL": "loader",
+    "LoadedModel": "loaded_model",
+    "Tokenizer": "tokenizer",
+    "load_gguf": "gguf_loader",
+    "load_gguf_tokenizer": "gguf_config",
+    "load_hf_dir": "hf_loader",
+    "load_hf_tokenizer": "hf_config",
+    "load_model": "loader",
+    "load_tokenizer": "loader",
+    "resolve_model": "loader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

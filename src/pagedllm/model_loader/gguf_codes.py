@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pagedllm.layers.quantization import Int4Weight, Int8Weight, Int8xWeight, QuantWeight
+from pagedllm.model_loader.gguf_config import CODE_TYPES
 
 _T = gguf.GGMLQuantizationType
 _KINDS = {
@@ -37,7 +38,7 @@ _KINDS = {
     **dict.fromkeys((_T.Q8_0, _T.Q5_0), Int8Weight),
     **dict.fromkeys((_T.Q6_K, _T.Q5_K, _T.Q5_1), Int8xWeight),
 }
-CODE_TYPES = tuple(_KINDS)
+assert set(_KINDS) == set(CODE_TYPES), "a code type without its kind, or the other way"
 
 
 def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:

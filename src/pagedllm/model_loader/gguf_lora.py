@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.model_loader.gguf_config import open_gguf
 from pagedllm.model_loader.gguf_loader import (
     _PERMUTED_QK_ARCHS,
     hf_tensor_name,
-    open_gguf,
     unpermute_from_gguf,
 )
 from pagedllm.models.registry import GGUF_ARCHITECTURES

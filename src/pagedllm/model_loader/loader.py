@@ -1,4 +1,5 @@
-"""Finding and loading a model from a local path or a short name. Never touches the network."""
+"""Finding and loading a model from a local path or a short name. Never touches the network.
+A model's config and tokenizer are read without torch; its weights (load_model) import it."""
 
 from __future__ import annotations
 
@@ -7,17 +8,15 @@ import importlib.util
 import os
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.model_loader.gguf_loader import load_gguf, load_gguf_config, load_gguf_tokenizer
-from pagedllm.model_loader.hf_loader import (
-    PICKLE_SUFFIXES,
-    load_hf_config,
-    load_hf_dir,
-    load_hf_tokenizer,
-)
-from pagedllm.model_loader.loaded_model import LoadedModel
+from pagedllm.model_loader.gguf_config import load_gguf_config, load_gguf_tokenizer
+from pagedllm.model_loader.hf_config import load_hf_config, load_hf_tokenizer
 from pagedllm.model_loader.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedllm.model_loader.loaded_model import LoadedModel
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -172,6 +171,9 @@ def load_model(
     lazy: the weights read one at a time as the model takes them (LazyWeights), so that a
     tensor-parallel rank never holds more than its shard and one full tensor. with_tokenizer:
     False leaves LoadedModel.tokenizer None (the engine loads its own)."""
+    from pagedllm.model_loader.gguf_loader import load_gguf
+    from pagedllm.model_loader.hf_loader import PICKLE_SUFFIXES, load_hf_dir
+
     path = _model_path(model)
     if path.is_dir():
         loaded = load_hf_dir(

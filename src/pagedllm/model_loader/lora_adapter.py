@@ -14,11 +14,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING
 
 from pagedllm.config import ModelArchConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # The projections an adapter may target: HF names, and the fused ones some checkpoints use.
 _MODULE = re.compile(
@@ -100,6 +101,8 @@ def _read(path: str, arch: ModelArchConfig) -> tuple[dict, dict[str, torch.Tenso
         raise ValueError(f"{path}: no adapter_model.safetensors (the adapter's weights)")
     with open(config_file) as f:
         config = json.load(f)
+    from safetensors.torch import load_file  # torch: this runs in the engine's process
+
     return config, load_file(weights)
 
 

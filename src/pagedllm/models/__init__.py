@@ -1,5 +1,18 @@
-from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.registry import get_model_class, supported_architectures
+"""The model classes, imported when first used: the registry (architecture names) is torch-free."""
 
-__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "get_model_class", "supported_architectures"]
+import importlib
+
+_EXPORTS = {
+    "Gemma3ForCausalLM": "gemma3",
+    "LlamaForCausalLM": "llama",
+    "get_model_class": "registry",
+    "supported_architectures": "registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,25 +1,24 @@
 """The supported architectures, in one place: HF architecture name (config.json "architectures")
 -> model class, and llama.cpp's GGUF architecture name -> HF architecture name. The HF and GGUF
-loaders consult these tables; an architecture missing here is rejected with the list of these."""
+loaders consult these tables; an architecture missing here is rejected with the list of these.
+Torch-free: a model class is imported when it is asked for, so reading a config (the API
+server's process does) imports no torch."""
 
 from __future__ import annotations
 
-from torch import nn
-
-from pagedllm.models.bert import BertModel
-from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.llama import LlamaForCausalLM
+import importlib
 
 # Llama's close relatives share its decoder; their differences are ModelArchConfig options.
-_MODELS: dict[str, type[nn.Module]] = {
-    "GraniteForCausalLM": LlamaForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "BertModel": BertModel,  # an encoder: embeddings only (the pooling runner)
+# HF architecture -> (module under pagedllm.models, class).
+_MODELS: dict[str, tuple[str, str]] = {
+    "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "BertModel": ("bert", "BertModel"),  # an encoder: embeddings only (the pooling runner)
 }
 
 # general.architecture in a GGUF file -> the HF architecture it loads as. llama.cpp's converter
@@ -34,12 +33,14 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type:
+    """The torch.nn.Module class of an HF architecture name."""
     if architecture not in _MODELS:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(_MODELS))}"
         )
-    return _MODELS[architecture]
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)
 
 
 def supported_architectures() -> list[str]:

@@ -8,7 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pagedllm import structured_output
+from pagedllm.sample import grammar_mask
 from pagedllm.sequence import Sequence
 
 
@@ -165,7 +165,7 @@ class SamplingMetadata:
         grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if grammar_rows:
             grammars = [requests[i].grammar for i in grammar_rows]
-            grammar_bitmask = (longs(grammar_rows), structured_output.grammar_bitmask(grammars))
+            grammar_bitmask = (longs(grammar_rows), grammar_mask.grammar_bitmask(grammars))
 
         # best_of > n ranks samples by cumulative logprob, so it needs the sampled token's.
         num_logprobs = [

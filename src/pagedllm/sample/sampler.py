@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.sample.grammar_mask import apply_grammar_bitmask
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.structured_output import apply_grammar_bitmask
 
 
 @dataclass

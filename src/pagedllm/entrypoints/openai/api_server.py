@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.async_llm_engine import AsyncLLMEngine
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.engine.request_checks import check_vocab
 from pagedllm.entrypoints.openai import connections, dashboard
@@ -392,10 +391,11 @@ def _serve_here(server: _Server, async_engine: EngineClient) -> None:
         async_engine.shutdown()
 
 
-def _serve_with_the_loop_here(server: _Server, async_engine: AsyncLLMEngine) -> None:
+def _serve_with_the_loop_here(server: _Server, async_engine: EngineClient) -> None:
     """The engine loop on this (the main) thread, uvicorn on another (it installs no signal
     handlers off the main thread: these do what its own would). SIGINT or SIGTERM: a graceful
-    shutdown (running requests get the grace period, then the loop stops); a second: at once."""
+    shutdown (running requests get the grace period, then the loop stops); a second: at once.
+    `async_engine`: an AsyncLLMEngine started without its thread (its run_loop)."""
 
     def _signal(signum, frame):
         if server.should_exit:

@@ -20,8 +20,8 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
-from pagedllm.engine.async_llm_engine import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.engine.streams import EngineDeadError
 from pagedllm.entrypoints.openai.errors import error_body
 
 DASHBOARD_PATHS = ("/dashboard", "/debug/kv")

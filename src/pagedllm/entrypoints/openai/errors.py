@@ -8,8 +8,8 @@ import contextlib
 import json
 import logging
 
-from pagedllm.engine.async_llm_engine import EngineDeadError, RequestFailedError
 from pagedllm.engine.request_checks import BadRequest
+from pagedllm.engine.streams import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger("pagedllm")
 

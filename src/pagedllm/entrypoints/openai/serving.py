@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.engine.async_llm_engine import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.engine.request_checks import check_fits, check_vocab
+from pagedllm.engine.streams import EngineDeadError
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     bad_request_checked,
