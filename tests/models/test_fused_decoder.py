@@ -35,6 +35,9 @@ OPTIONS = {
     "sliding_window": dict(sliding_window=5),
     "partial_rotary": dict(partial_rotary_factor=0.5, rope_theta=500.0),
     "embedding_multiplier": dict(embedding_multiplier=2.0),
+    "qk_norm": dict(qk_norm=True),  # Qwen3
+    # Granite's: each block's output scaled as it joins the residual stream
+    "granite": dict(residual_multiplier=0.5, attention_multiplier=0.3, embedding_multiplier=3.0),
 }
 
 
@@ -147,8 +150,6 @@ def test_prefill_and_large_quantized_batches_go_through_the_modules(monkeypatch)
 @pytest.mark.parametrize(
     "overrides, backend, reason",
     [
-        (dict(qk_norm=True), "cpu", "q/k norms"),
-        (dict(residual_multiplier=0.5), "cpu", "residual multiplier"),
         ({}, "sdpa", "attention backend sdpa"),
     ],
 )

@@ -90,8 +90,6 @@ class FusedDecoder:
         dtype = model.embed_tokens.dtype
         if model.norm.weight.device.type != "cpu":
             raise NotFusable("the model is not on the CPU")
-        if config.qk_norm or config.residual_multiplier != 1.0:
-            raise NotFusable("q/k norms or a residual multiplier")
         ops = kernels.cpu_ops()
         first = model.layers[0].self_attn
         rotary, attn = first.rotary_emb, first.attn
@@ -100,6 +98,7 @@ class FusedDecoder:
         self.decoder = ops.LlamaDecoder(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim, attn.scale,
             model.norm.eps, rotary.cos_f32, rotary.sin_f32, model.norm.weight.detach(),
+            config.residual_multiplier,
         )  # fmt: skip
         expands = False  # a quantized projection that expands its weight above MAX_GEMV_ROWS
         for layer in model.layers:
@@ -112,11 +111,13 @@ class FusedDecoder:
                 and not m.quant_method.fixed_order
                 for m in linears
             )
+            qk_norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
             self.decoder.add_layer(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 *(_linear(m, dtype) for m in linears),
                 a.attn.sliding_window or 0,
+                *(None if w is None else w.detach() for w in qk_norms),
             )
         # Quantized projections multiply codes directly up to MAX_GEMV_ROWS rows; above, the
         # modules expand the weights for a float GEMM (in fixed order, codes at any rows).

@@ -1,4 +1,5 @@
-// A Llama-style decoder stack in one C++ call, for steps whose requests all go through the paged
+// A Llama-style decoder stack (Llama, Qwen2 and Qwen3 with its q/k norms, Granite with its
+// residual multiplier, Phi-3) in one C++ call, for steps whose requests all go through the paged
 // attention kernel (decode). At a single stream's sizes the kernels take a few microseconds each
 // and the Python and torch glue between them (modules, views, allocations: about 100 us a
 // layer) was a quarter of the step; here the same kernels run in the same order, with the same
@@ -110,21 +111,25 @@ struct Layer {
   at::Tensor input_norm, post_attention_norm;
   Linear qkv, o, gate_up, down;
   int64_t sliding_window;  // 0: none
+  std::optional<at::Tensor> q_norm, k_norm;  // per head, before rotary (Qwen3)
 };
 
 class LlamaDecoder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
                double scale, double eps, at::Tensor cos_cache, at::Tensor sin_cache,
-               at::Tensor final_norm)
+               at::Tensor final_norm, double residual_multiplier)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         rotary_dim_(rotary_dim), scale_(scale), eps_(eps), cos_cache_(std::move(cos_cache)),
-        sin_cache_(std::move(sin_cache)), final_norm_(std::move(final_norm)) {}
+        sin_cache_(std::move(sin_cache)), final_norm_(std::move(final_norm)),
+        residual_multiplier_(residual_multiplier) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, Linear qkv, Linear o,
-                 Linear gate_up, Linear down, int64_t sliding_window) {
+                 Linear gate_up, Linear down, int64_t sliding_window,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm) {
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv),
-                       std::move(o), std::move(gate_up), std::move(down), sliding_window});
+                       std::move(o), std::move(gate_up), std::move(down), sliding_window,
+                       std::move(q_norm), std::move(k_norm)});
   }
 
   // hidden [T, hidden]: the embeddings, which become the residual stream (updated in place, as
@@ -146,12 +151,16 @@ class LlamaDecoder {
       const Layer& layer = layers_[i];
       if (i > 0) {
         normed = at::empty_like(h);
-        rms_norm(normed, h, layer.input_norm, residual, eps_);
+        rms_norm(normed, scaled(h), layer.input_norm, residual, eps_);
       }
       const at::Tensor qkv = layer.qkv(normed, lora_slots);
-      const at::Tensor q = qkv.narrow(1, 0, q_size);
-      const at::Tensor k = qkv.narrow(1, q_size, kv_size);
+      at::Tensor q = qkv.narrow(1, 0, q_size);
+      at::Tensor k = qkv.narrow(1, q_size, kv_size);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      if (layer.q_norm) {
+        q = norm_heads(q, *layer.q_norm);
+        k = norm_heads(k, *layer.k_norm);
+      }
       rotary_embedding(q, positions, cos_cache_, sin_cache_, d, rotary_dim_);
       rotary_embedding(k, positions, cos_cache_, sin_cache_, d, rotary_dim_);
       const auto& [k_cache, v_cache] = kv_caches[i];
@@ -162,21 +171,37 @@ class LlamaDecoder {
                       query_start_loc, scale_, layer.sliding_window, 0.0, 0);
       const at::Tensor o = layer.o(attn.view({T, q_size}), lora_slots);
       normed = at::empty_like(o);
-      rms_norm(normed, o, layer.post_attention_norm, residual, eps_);
+      rms_norm(normed, scaled(o), layer.post_attention_norm, residual, eps_);
       const at::Tensor gate_up = layer.gate_up(normed, lora_slots);
       at::Tensor act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
       silu_and_mul(act, gate_up);
       h = layer.down(act, lora_slots);
     }
     at::Tensor out = at::empty_like(h);
-    rms_norm(out, h, final_norm_, residual, eps_);
+    rms_norm(out, scaled(h), final_norm_, residual, eps_);
     return out;
   }
 
  private:
+  // A block's output as it joins the residual stream (Granite's residual_multiplier), as
+  // LlamaDecoderLayer._scale.
+  at::Tensor scaled(const at::Tensor& x) const {
+    return residual_multiplier_ == 1.0 ? x : x * residual_multiplier_;
+  }
+
+  // x [T, heads * head_dim] normed per head, as RMSNorm on its [T, heads, head_dim] view: a
+  // contiguous copy of the rows, then the kernel.
+  at::Tensor norm_heads(const at::Tensor& x, const at::Tensor& weight) const {
+    const at::Tensor rows = x.reshape({-1, head_dim_}).contiguous();
+    at::Tensor out = at::empty_like(rows);
+    rms_norm(out, rows, weight, std::nullopt, eps_);
+    return out.view({x.size(0), x.size(1)});
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;
   double scale_, eps_;
   at::Tensor cos_cache_, sin_cache_, final_norm_;
+  double residual_multiplier_;
   std::vector<Layer> layers_;
 };
 
@@ -217,10 +242,10 @@ void register_decoder(pybind11::module& m) {
       });
   py::class_<LlamaDecoder>(m, "LlamaDecoder", "a Llama-style decoder stack in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
-                    at::Tensor>(),
+                    at::Tensor, double>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("rotary_dim"), py::arg("scale"), py::arg("eps"), py::arg("cos_cache"),
-           py::arg("sin_cache"), py::arg("final_norm"))
+           py::arg("sin_cache"), py::arg("final_norm"), py::arg("residual_multiplier") = 1.0)
       .def("add_layer", &LlamaDecoder::add_layer)
       // Without the GIL, as torch's own operators run: the server's HTTP thread can work meanwhile.
       .def("forward", &LlamaDecoder::forward, py::call_guard<py::gil_scoped_release>());
