@@ -21,7 +21,7 @@ def auto_dtype(device: str) -> str:
 
 
 def resolve_device(name: str) -> str:
-    """ "cpu" or "cuda"; only "auto" imports torch (to ask whether CUDA is there)."""
+    """The device kind, cpu or cuda; only --device auto imports torch (to ask for CUDA)."""
     if name == "auto":
         import torch
 

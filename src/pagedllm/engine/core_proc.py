@@ -174,6 +174,6 @@ class EngineCoreProc(EngineCore):
         if faults.hang_at_step is not None and self.num_steps == faults.hang_at_step:
             logger.warning("injected fault: step %d hangs", self.num_steps)
             time.sleep(faults.hang_seconds)
-        if self._crash_ids & set(self.engine.scheduler.requests):
+        if self._crash_ids and not self._crash_ids.isdisjoint(self.engine.scheduler.requests):
             logger.warning("injected fault: a request crashes the engine process")
             os.abort()
