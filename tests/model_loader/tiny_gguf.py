@@ -102,6 +102,8 @@ _TO_GGUF = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate_up_proj": "ffn_up",  # phi3: gate and up stay fused in ffn_up
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 
 
@@ -186,6 +188,8 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "granite": "granite",
     "phi3": "phi3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama with experts
 }
 PERMUTED_QK = ("llama", "granite")  # llama.cpp's "normal" RoPE archs; the others are NEOX
 
@@ -227,6 +231,11 @@ def write_gguf_from_hf(
         w.add_logit_scale(c.logits_scaling)
     if c.model_type == "phi3":
         w.add_sliding_window(c.sliding_window or 0)
+    if c.model_type in ("qwen3_moe", "mixtral"):
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if c.model_type == "qwen3_moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if c.model_type == "mistral" and sliding_window_key and c.sliding_window is not None:
         w.add_sliding_window(c.sliding_window)
     tokens, types, merges = gpt2_vocab()
@@ -241,7 +250,13 @@ def write_gguf_from_hf(
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # the converter leaves the tied output out
         array = tensor.detach().float().numpy()
-        name = gguf_name(hf_name)
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * ffn, hidden]: split
+            block = hf_name.split(".")[2]
+            gate, up = np.split(array, 2, axis=1)
+            w.add_tensor(f"blk.{block}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(f"blk.{block}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        name = gguf_name(hf_name if tensor.dim() < 3 else f"{hf_name}.weight")
         if arch in PERMUTED_QK and ".attn_q." in name:
             array = llama_cpp_permute(array, heads)
         elif arch in PERMUTED_QK and ".attn_k." in name:

@@ -6,6 +6,7 @@ every decode step) and the same 32 greedy tokens as HF generate(do_sample=False)
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -66,6 +67,19 @@ ARCHS = {
         "Phi3ForCausalLM",
         dict(partial_rotary_factor=0.5, sliding_window=9),
     ),
+    # Mixtures of experts: more experts than a prompt's tokens pick, so some go unused.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    # Not renormalised, and a dense first layer (neither is in llama.cpp's qwen3moe graph).
+    "qwen3_moe_dense_layer": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=48, mlp_only_layers=[0]),
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
 }
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61], [7, 1, 2], [11, 23, 5, 90, 64, 33, 2, 8, 77, 15, 4, 40, 9]]
 MAX_NEW_TOKENS = 32
@@ -115,8 +129,8 @@ def load(name: str, source: str, tmp_path):
     else:
         loaded = load_gguf(write_gguf_from_hf(tmp_path / "model.gguf", hf))
     want = type(hf).__name__
-    if source == "gguf" and want == "MistralForCausalLM":
-        want = "LlamaForCausalLM"  # llama.cpp converts Mistral to its llama architecture
+    if source == "gguf" and want in ("MistralForCausalLM", "MixtralForCausalLM"):
+        want = "LlamaForCausalLM"  # llama.cpp converts these to its llama architecture
     assert loaded.config.architecture == want
     model = get_model_class(loaded.config.architecture)(loaded.config)
     model.load_weights(loaded.weights)
@@ -124,22 +138,46 @@ def load(name: str, source: str, tmp_path):
 
 
 # Not qwen2_sliding from GGUF: llama.cpp's converter stores no Qwen2 sliding window (nor layer
-# types), so such a file holds a full-attention model.
+# types), so such a file holds a full-attention model; nor a dense layer among experts.
+HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer")
 CASES = [
-    (n, s) for n in sorted(ARCHS) for s in ("hf_dir", "gguf") if (n, s) != ("qwen2_sliding", "gguf")
+    (n, s) for n in sorted(ARCHS) for s in ("hf_dir", "gguf") if (s, n in HF_ONLY) != ("gguf", True)
 ]
+
+
+def checkpoint_state(hf, model) -> dict[str, torch.Tensor]:
+    """hf's weights by the names the model takes them (its weight_renames; transformers 5
+    holds each layer's experts stacked, [experts, rows, columns], a checkpoint each apart)."""
+    state = {}
+    for name, tensor in hf.state_dict().items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            stem, _, proj = name.rpartition(".")
+            parts = ["gate_proj", "up_proj"] if proj == "gate_up_proj" else [proj]
+            for e, expert in enumerate(tensor):
+                for part, rows in zip(parts, expert.chunk(len(parts)), strict=True):
+                    state[f"{stem}.{e}.{part}.weight"] = rows
+        else:
+            state[name] = tensor
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+def renamed(model, name: str) -> str:
+    for pattern, replacement in model.weight_renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 @pytest.mark.parametrize("name,source", CASES)
 def test_matches_transformers(name, source, tmp_path):
     hf, expected = hf_reference(name)
     model, loaded = load(name, source, tmp_path)
-    state = {k: v for k, v in hf.state_dict().items()}
-    if loaded.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    assert set(loaded.weights) == set(state)
+    state = checkpoint_state(hf, model)
+    weights = {renamed(model, k): v for k, v in loaded.weights.items()}
+    assert set(weights) == set(state)
     for k, v in state.items():  # GGUF: q/k rows un-permuted where llama.cpp permutes them
-        assert torch.equal(loaded.weights[k].float(), v), k
+        assert torch.equal(weights[k].float(), v), k
 
     # Prefill: all prompts in one flattened batch, logits of every position.
     runner = PagedRunner(model, block_size=4)

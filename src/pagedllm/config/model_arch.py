@@ -59,6 +59,24 @@ class ModelArchConfig:
     # Q4_1, Q4_K, Q5_0 or Q8_0 tensors): --dtype auto multiplies them in integers on CPU.
     quantized_codes: bool = False
     type_vocab_size: int = 2
+    # Mixture of experts (Qwen3-MoE, Mixtral): each token's MLP is the weighted sum of
+    # num_experts_per_tok of num_experts MLPs of moe_intermediate_size, chosen by a softmax
+    # router (its top-k weights renormalised to sum to 1 when norm_topk_prob). Layers in
+    # mlp_only_layers, and all but every decoder_sparse_step-th, keep a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s MLP is a mixture of experts (Qwen3-MoE's rule)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`, or None for a full-attention layer."""

@@ -148,12 +148,39 @@ def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
             "attention_multiplier": None if scale is None else float(scale),
             "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0)),
         }
+    if int(meta.get(f"{arch}.expert_count") or 0):
+        return _moe_options(meta, arch, tensors)
     if arch == "phi3":
         if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
             raise ValueError("phi3 GGUF with LongRoPE factors (rope_factors_*): not supported")
         rope_dims = meta.get(f"{arch}.rope.dimension_count")
         return {"partial_rotary_factor": 1.0 if rope_dims is None else rope_dims / head_dim}
     return {}
+
+
+def _moe_options(meta: dict, arch: str, tensors: dict) -> dict:
+    """A mixture of experts (qwen3moe; Mixtral, written as llama): llama.cpp's graphs of these
+    architectures always renormalise the top k weights, and put experts in every layer."""
+    if arch not in ("qwen3moe", "llama"):
+        raise ValueError(f"{arch} GGUF with experts: not supported")
+    experts, used = int(meta[f"{arch}.expert_count"]), int(meta.get(f"{arch}.expert_used_count", 0))
+    if not 0 < used <= experts:
+        raise ValueError(f"{arch}.expert_used_count {used} of {experts} experts")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
+        raise ValueError(f"{arch} GGUF with expert gating function {gating}: only softmax")
+    size = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
+    missing = [
+        name for name in ("ffn_gate_inp", "ffn_gate_exps") if f"blk.0.{name}.weight" not in tensors
+    ]
+    if missing:
+        raise ValueError(f"{arch} GGUF with experts lacks blk.0.{missing[0]}.weight")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(size),
+        "norm_topk_prob": True,
+    }
 
 
 def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
@@ -184,6 +211,8 @@ def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
     # llama.cpp's converter writes it for phi3 (0: none), not for Mistral (a "llama" file) nor
     # Qwen2. Where present it slides every layer, as HF's Phi-3 and Mistral do.
     sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None
+    options = {"qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+    options.update(_arch_options(meta, arch, tensors, head_dim))
     config = ModelArchConfig(
         architecture=architecture,
         vocab_size=int(vocab),
@@ -199,13 +228,12 @@ def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_output.bias" in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         mlp_bias="blk.0.ffn_down.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
         sliding_window=sliding_window,
         quantized_codes=any(t.tensor_type in CODE_TYPES for t in tensors.values()),
-        **_arch_options(meta, arch, tensors, head_dim),
+        **options,
     )
     config.rope_scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))
     rope_type(config.rope_scaling)  # ValueError for a type we cannot compute

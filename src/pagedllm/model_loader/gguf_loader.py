@@ -3,7 +3,9 @@ tensors (and codes), with the config and tokenizer gguf_config.py reads. The arc
 the registry's GGUF_ARCHITECTURES (llama, qwen2, qwen3, granite, phi3).
 
 Three things differ from a Hugging Face checkpoint and are undone here:
-  - names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`;
+  - names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, and a mixture
+    of experts' stacked `blk.3.ffn_up_exps.weight` -> each expert e's
+    `model.layers.3.mlp.experts.{e}.up_proj.weight`;
   - quantization: blocks are dequantized with the gguf package's own reference code;
   - rope layout: for the archs llama.cpp runs with "normal" (adjacent-pair) RoPE, llama and
     granite, its converter permutes the rows of attn_q / attn_k (HF's rotate-half pairs
@@ -55,6 +57,13 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+}
+# A mixture of experts' stacked [experts, rows, columns] tensors -> each expert's projection.
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Per-architecture names that differ from llama's (gemma3's ffn_norm is the pre-MLP norm).
 _ARCH_LAYER_TENSORS = {
@@ -129,10 +138,23 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     return out
 
 
-def _read_tensor(reader: GGUFFile, t, name: str, arch: str, heads: dict[str, int]) -> torch.Tensor:
-    """One tensor, dequantized to float32 and in HF's layout."""
+def expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The HF names of each expert's part of a stacked expert tensor; None for another tensor."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if not m or m.group(2) not in _EXPERT_TENSORS:
+        return None
+    proj = _EXPERT_TENSORS[m.group(2)]
+    layer, kind = m.group(1), m.group(3)
+    return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.{kind}" for e in range(num_experts)]
+
+
+def _read_tensor(
+    reader: GGUFFile, t, name: str, arch: str, heads: dict[str, int], expert: int | None = None
+) -> torch.Tensor:
+    """One tensor (or one expert's part of a stacked one), dequantized to float32 and in HF's
+    layout."""
     try:
-        array = _dequantize(reader.read(t), t.tensor_type)
+        array = _dequantize(reader.read(t, expert), t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
             f"tensor {t.name} uses GGML type {t.tensor_type.name}, which the gguf package "
@@ -154,9 +176,10 @@ def _read_tensor(reader: GGUFFile, t, name: str, arch: str, heads: dict[str, int
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
-def _read_codes(reader: GGUFFile, t, n_head: int | None):
-    """One tensor's blocks as codes, its rows unpermuted where its floats are (n_head)."""
-    raw = reader.read(t)
+def _read_codes(reader: GGUFFile, t, n_head: int | None, expert: int | None = None):
+    """One tensor's (or expert's) blocks as codes, its rows unpermuted where its floats are
+    (n_head)."""
+    raw = reader.read(t, expert)
     if n_head is not None:  # a row permutation: it moves raw rows of blocks just as well
         raw = unpermute_from_gguf(raw, n_head)
     return codes_from_gguf(raw, t.tensor_type)
@@ -173,15 +196,24 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool, with_tokeni
 
     readers, code_readers, kinds = {}, {}, {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name, arch)
-        if name is None:
-            continue
-        readers[name] = functools.partial(_read_tensor, reader, t, name, arch, heads)
+        experts = expert_names(t.name, config.num_experts)
+        if experts is not None:
+            if len(t.shape) != 3 or t.shape[-1] != config.num_experts:  # ggml order
+                raise ValueError(
+                    f"tensor {t.name} has shape {tuple(reversed(t.shape))}, not one of "
+                    f"{config.num_experts} experts"
+                )
+            parts = [(name, e) for e, name in enumerate(experts)]
+        else:
+            name = hf_tensor_name(t.name, arch)
+            parts = [] if name is None else [(name, None)]
         kind = code_kind(t.tensor_type)
-        if keep_codes and kind is not None:
-            kinds[name] = kind
-            n_head = heads.get(name.split(".")[-2])
-            code_readers[name] = functools.partial(_read_codes, reader, t, n_head)
+        for name, e in parts:
+            readers[name] = functools.partial(_read_tensor, reader, t, name, arch, heads, e)
+            if keep_codes and kind is not None:
+                kinds[name] = kind
+                n_head = heads.get(name.split(".")[-2])
+                code_readers[name] = functools.partial(_read_codes, reader, t, n_head, e)
     weights = LazyWeights(readers) if lazy else {name: read() for name, read in readers.items()}
 
     name = os.path.basename(os.fspath(path)).removesuffix(".gguf")

@@ -74,8 +74,10 @@ def _rope(cfg: dict) -> tuple[float, dict | None, float]:
 def _sliding_window(arch: str, cfg: dict) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as transformers applies them for each architecture."""
     window = cfg.get("sliding_window")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return window, None  # every layer slides when a window is set (layer_types ignored)
+    if arch == "Qwen3MoeForCausalLM":  # every layer slides when use_sliding_window
+        return (window if cfg.get("use_sliding_window") else None), None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window") or window is None:
             return None, None
@@ -93,6 +95,10 @@ def _arch_options(arch: str, cfg: dict) -> dict:
         return {"qkv_bias": True}  # q/k/v always carry a bias, o_proj never
     if arch == "Qwen3ForCausalLM":
         return {"qk_norm": True}
+    if arch == "Qwen3MoeForCausalLM":
+        return {"qk_norm": True, **_moe_fields(cfg, cfg.get("moe_intermediate_size"))}
+    if arch == "MixtralForCausalLM":  # every layer's experts, of the dense intermediate size
+        return {**_moe_fields(cfg, cfg["intermediate_size"]), "norm_topk_prob": True}
     if arch == "BertModel":
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"BERT with {cfg['position_embedding_type']} position embeddings")
@@ -111,6 +117,33 @@ def _arch_options(arch: str, cfg: dict) -> dict:
             "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
         }
     return {}
+
+
+def _moe_fields(cfg: dict, expert_size) -> dict:
+    """The mixture-of-experts fields (Qwen3-MoE's names; transformers 5 saves num_experts as
+    num_local_experts, Mixtral's name)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    fields = {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok"),
+        "moe_intermediate_size": expert_size,
+    }
+    for key, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if fields["num_experts_per_tok"] > experts:
+        raise ValueError(f"num_experts_per_tok {fields['num_experts_per_tok']} > {experts} experts")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"experts with hidden_act {cfg['hidden_act']!r} (only silu)")
+    step = cfg.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    return {
+        **fields,
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "decoder_sparse_step": step,
+        "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
+    }
 
 
 def _gemma3_fields(cfg: dict) -> dict:

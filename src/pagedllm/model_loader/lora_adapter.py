@@ -122,6 +122,8 @@ def _module_shape(name: str, arch: ModelArchConfig, path: str) -> tuple[int, int
     m = _MODULE.fullmatch(name)
     if m is None or int(m.group(1)) >= arch.num_hidden_layers:
         raise ValueError(f"{path}: the model has no module {name} to adapt")
+    if m.group(2).startswith("mlp.") and arch.is_moe_layer(int(m.group(1))):
+        raise ValueError(f"{path}: {name} is in a mixture of experts, which adapters cannot adapt")
     return projection_shapes(arch)[m.group(2).split(".")[1]]
 
 

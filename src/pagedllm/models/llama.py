@@ -2,8 +2,9 @@
 
 One implementation serves Llama and its close relatives, switched by ModelArchConfig options:
 Mistral (sliding window), Qwen2/2.5 (q/k/v bias, optional sliding layers), Qwen3 (per-head q/k
-RMSNorm before RoPE), Granite (embedding/residual/attention/logits multipliers) and Phi-3 (partial
-rotary, sliding window). The registry maps each HF architecture name to this class.
+RMSNorm before RoPE), Granite (embedding/residual/attention/logits multipliers), Phi-3 (partial
+rotary, sliding window), and Qwen3-MoE and Mixtral (a mixture of experts for the MLP:
+layers/moe.py). The registry maps each HF architecture name to this class.
 
 q/k/v and gate/up projections are one matmul each (qkv_proj, gate_up_proj: the checkpoint's
 separate tensors are their parts, packed_modules_mapping; Phi-3's checkpoints store them fused
@@ -24,6 +25,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.quantization import QuantizationConfig, QuantWeight
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -114,7 +116,8 @@ class LlamaDecoderLayer(nn.Module):
             config, layer_idx, rotary_emb, backend, dtype, quant_config, f"{prefix}.self_attn"
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
+        mlp = SparseMoeBlock if config.is_moe_layer(layer_idx) else LlamaMLP
+        self.mlp = mlp(config, dtype, quant_config, f"{prefix}.mlp")
         self.residual_multiplier = config.residual_multiplier
 
     def forward(self, cos_sin, hidden_states, residual, kv_cache, attn_metadata):
@@ -187,6 +190,14 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    # Checkpoint names -> ours, where an architecture names a layer its own way (Mixtral's
+    # experts: w1 / w3 / w2 are gate / up / down), as re.sub patterns.
+    weight_renames = (
+        (r"\.block_sparse_moe\.", ".mlp."),
+        (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+        (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
+        (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
+    )
 
     def __init__(
         self,
@@ -219,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         raises NotFusable with the reason where it cannot."""
         if type(self.model) is not LlamaModel:
             raise NotFusable(f"{type(self.model).__name__} layers")
+        if self.config.num_experts:
+            raise NotFusable("mixture-of-experts layers")
         return FusedDecoder(self.model, self.config)
 
     def forward(

@@ -14,15 +14,18 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),  # an encoder: embeddings only (the pooling runner)
 }
 
 # general.architecture in a GGUF file -> the HF architecture it loads as. llama.cpp's converter
-# writes Mistral as "llama" (and does not store its sliding window).
+# writes Mistral as "llama" (and does not store its sliding window), and Mixtral as "llama"
+# with experts.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -30,6 +33,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 

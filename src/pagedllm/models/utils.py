@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -22,8 +23,9 @@ def load_weights(
     """Each checkpoint tensor to its parameter's weight_loader: a part of a packed layer
     (model.packed_modules_mapping: q_proj is part 0 of qkv_proj) with its shard id. A Mapping is
     read one tensor at a time, and not at all for a layer built to take the checkpoint's codes
-    (`codes`, by the same names) instead. A tied LM head is not read from the checkpoint (some
-    store the copy); a quantized one loads its own codes from the embedding's tensor.
+    (`codes`, by the same names) instead. Names are taken as the model's `weight_renames`
+    rewrite them. A tied LM head is not read from the checkpoint (some store the copy); a
+    quantized one loads its own codes from the embedding's tensor.
 
     Raises ValueError on an unknown name, a wrong shape, or a parameter left unloaded.
     """
@@ -60,7 +62,10 @@ def load_weights(
             raise ValueError(f"weight {name!r} {e}") from None
         loaded.update(k for k in required if k[0] == target and shard_id in (None, k[1]))
 
+    renames = [(re.compile(p), r) for p, r in getattr(model, "weight_renames", ())]
     for name, read in _entries(weights):
+        for pattern, replacement in renames:
+            name = pattern.sub(replacement, name)
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
         if name == LM_HEAD and tied:

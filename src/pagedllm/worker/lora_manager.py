@@ -48,11 +48,13 @@ class LoRAManager:
         self.config, self.arch, self.dtype, self.device = config, arch, dtype, device
         self.context = LoRAContext()
         # Every projection of the decoder layers, with the HF names of its parts (q/k/v of a
-        # qkv_proj) or itself (an adapter may target a fused layer whole).
+        # qkv_proj) or itself (an adapter may target a fused layer whole). Not the experts of a
+        # mixture: each multiplies a subset of the step's rows, in expert order, which the
+        # per-row adapter mapping does not follow (an adapter for them is refused as unknown).
         packed = getattr(model, "packed_modules_mapping", {})
         self.layers: list[tuple[str, LinearBase, list[str]]] = []
         for name, module in model.named_modules():
-            if not isinstance(module, LinearBase) or ".layers." not in name:
+            if not isinstance(module, LinearBase) or ".layers." not in name or ".experts." in name:
                 continue
             prefix, _, leaf = name.rpartition(".")
             parts = [f"{prefix}.{p}" for p in packed.get(leaf, [leaf])]

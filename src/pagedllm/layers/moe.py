@@ -1,0 +1,116 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router picks each token's top-k
+experts, and the token's output is their outputs weighted by the router's probabilities.
+
+The experts run grouped by expert, not by token: the step's (token, expert) pairs are sorted
+by expert, and each expert that any token chose multiplies all of its tokens' rows in one
+product. Each expert is an ordinary gate/up + down MLP of linear layers, so its weights take
+every format a dense layer takes (float, prepacked, a GGUF's codes in integers) and split
+across a tensor-parallel group the same way: by the experts' intermediate size, the partial
+sums of all experts added by one all-reduce at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.distributed import all_reduce
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import QuantizationConfig
+
+
+class ExpertMLP(nn.Module):
+    """One expert: down(silu(gate(x)) * up(x)), its down projection's partial sum left to the
+    block (reduced once for all experts)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate, intermediate], False, dtype, quant_config,
+            f"{prefix}.gate_up_proj",
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            intermediate, hidden, False, dtype, quant_config, f"{prefix}.down_proj",
+            reduce_results=False,
+        )  # fmt: skip
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Router(nn.Module):
+    """The router's [num_experts, hidden] weight, held whole by every rank (it is small)."""
+
+    def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), False)
+
+
+class SparseMoeBlock(nn.Module):
+    """Checkpoint names as Qwen3-MoE's: `gate` (the router), `experts.{e}.{gate,up,down}_proj`."""
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"{self.top_k} experts per token of {self.num_experts}: must be 1..num_experts"
+            )
+        self.gate = Router(self.num_experts, config.hidden_size, dtype)
+        self.experts = nn.ModuleList(
+            ExpertMLP(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                dtype,
+                quant_config,
+                f"{prefix}.experts.{e}",
+            )  # fmt: skip
+            for e in range(self.num_experts)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]): the softmax (in float32) of the router's
+        logits, its top k, renormalised if the architecture does."""
+        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        # Sorted by expert (stable: each expert's tokens in step order), so that each expert's
+        # rows are one slice; `tokens[i]` is the row of the i-th sorted (token, expert) pair.
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // self.top_k
+        pair_weights = weights.flatten()[order].unsqueeze(1)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # Summed in float32, expert after expert in index order (as transformers adds them).
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                rows = tokens[start : start + n]
+                y = expert(x[rows])
+                out.index_add_(0, rows, y.float() * pair_weights[start : start + n])
+                start += n
+        return all_reduce(out.to(x.dtype))

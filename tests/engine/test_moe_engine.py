@@ -1,0 +1,150 @@
+"""A mixture-of-experts model (a tiny random Qwen3-MoE, float32) through every scheduler feature
+that touches the KV cache, transformers as the oracle: block sizes 1 / 16 / 32, alone and
+batched, chunked prefill with small budgets, preemption by recompute and by swap, n = 3 seeded
+samples, beam search, and prefix-cache hits. Routing is per token, so none of these may change a
+token's experts: every run must give transformers' tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.engine.test_sequence_groups import check_pool, hf_beam_search
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[(7 * i + 13 * j) % 120 + 3 for j in range(5 + (9 * i) % 17)] for i in range(6)]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, transformers model, its greedy continuation of each prompt, alone)."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, max_position_embeddings=256,
+        initializer_range=0.1, bos_token_id=None, eos_token_id=2, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    hf.save_pretrained(path)
+    with torch.inference_mode():
+        want = [
+            hf.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]  # fmt: skip
+    return str(path), hf, want
+
+
+def make_llm(path, **kwargs):
+    kwargs.setdefault("kv_cache_memory", "4MiB")
+    return LLM(model=path, dtype="float32", max_model_len=64, **kwargs)
+
+
+def greedy(llm, prompts=PROMPTS):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    check_pool(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("budget", [None, 5], ids=["whole-prompts", "chunked-5"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_greedy_equals_transformers_alone_and_batched(tiny, block_size, budget):
+    path, _, want = tiny
+    llm = make_llm(path, block_size=block_size, max_num_batched_tokens=budget)
+    assert greedy(llm) == want  # batched, prefill chunks beside other requests' decode rows
+    assert greedy(llm, PROMPTS[:1]) == want[:1]  # alone
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_gives_transformers_tokens(tiny, mode):
+    path, _, want = tiny
+    # 16 blocks of 4: each request needs 6-10 of them, the six together ~50.
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16, preemption_mode=mode,
+                   swap_space=0.001)  # fmt: skip
+    assert greedy(llm) == want
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.num_preemptions_total > 0
+    assert (scheduler.num_swap_preemptions_total > 0) == (mode == "swap")
+
+
+def test_forked_seeded_samples_equal_independent_runs(tiny):
+    path, _, _ = tiny
+    llm = make_llm(path, block_size=4)
+    n, seed = 3, 77
+    params = SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
+    forked = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    alone = [
+        llm.generate(
+            [{"prompt_token_ids": PROMPTS[1]}],
+            SamplingParams(seed=seed + i, temperature=1.0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+        for i in range(n)
+    ]
+    assert [c.token_ids for c in forked.outputs] == alone
+    assert len({tuple(t) for t in alone}) == n  # the samples differ
+    check_pool(llm)
+
+
+def test_beam_search_equals_transformers(tiny):
+    path, hf, _ = tiny
+    llm = make_llm(path, block_size=4)
+    hyps, scores = hf_beam_search(hf, PROMPTS[2], 3, 10, 1.0, False, [2])
+    params = SamplingParams(n=3, use_beam_search=True, temperature=0, max_tokens=10)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == hyps
+    ours = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
+    assert ours == pytest.approx(scores, abs=1e-4)
+    check_pool(llm)
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(tiny):
+    path, _, want = tiny
+    llm = make_llm(path, block_size=4, enable_prefix_caching=True)
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    assert greedy(llm) == want
+    hits = kv.prefix_cache_hits
+    assert greedy(llm) == want  # every prompt's full blocks come from the cache
+    assert kv.prefix_cache_hits - hits >= sum(len(p) // 4 for p in PROMPTS)
+
+
+def test_attention_adapters_apply_and_expert_adapters_are_refused(tiny, tmp_path):
+    """A peft adapter on the attention projections gives peft's tokens; the experts take none
+    (an adapter for an MLP inside a mixture is refused by name)."""
+    from safetensors.torch import save_file
+
+    from pagedllm import LoRARequest
+    from tests.lora.conftest import hf_greedy, make_adapter
+
+    path, hf, want = tiny
+    peft_model = make_adapter(hf, tmp_path / "attn", ["q_proj", "v_proj", "o_proj"])
+    expected = hf_greedy(peft_model, PROMPTS[0], NEW_TOKENS)[0]
+    assert expected != want[0]  # the adapter changes the tokens
+    llm = make_llm(path, block_size=4, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    lora = LoRARequest("attn", 1, str(tmp_path / "attn"))
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, lora_request=lora, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+    # An MLP projection's pair as a dense model's adapter holds it (peft makes none for experts).
+    (tmp_path / "mlp").mkdir()
+    (tmp_path / "mlp/adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    pair = {
+        f"{prefix}.lora_A.weight": torch.zeros(4, 64),
+        f"{prefix}.lora_B.weight": torch.zeros(96, 4),
+    }
+    save_file(pair, tmp_path / "mlp/adapter_model.safetensors")
+    with pytest.raises(ValueError, match="in a mixture of experts"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False,
+                     lora_request=LoRARequest("mlp", 2, str(tmp_path / "mlp")))  # fmt: skip
+    check_pool(llm)
