@@ -16,6 +16,7 @@ written (Llama 3's "llama3" rope factors): the speed and memory are the same.
     python -m benchmarks.random_gguf /tmp/llama-8b-q4_1.gguf --shape llama-8b   # ~4.6 GB
     python -m benchmarks.random_gguf /tmp/tiny.gguf --shape tiny --type Q8_0 --num-layers 4
     python -m benchmarks.random_gguf /tmp/llama-1b-untied.gguf --type Q4_K_M --untied
+    python -m benchmarks.random_gguf /tmp/moe-a3b.gguf --shape moe-a3b   # Mixtral's layout
 
 llama-1b writes context_length 131072 as Llama 3.2 does; the engine caps it by --max-model-len.
 """
@@ -41,6 +42,14 @@ SHAPES = {
                      num_kv_heads=8, rope_theta=500000.0, rms_eps=1e-5, context_length=8192),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                  num_kv_heads=2, rope_theta=500000.0, rms_eps=1e-5, context_length=8192),
+    # Qwen3-30B-A3B's layer (128 experts of 768, 8 used; 16 heads of 128 for its 32 of 128
+    # against a 2048 hidden size), 8 of its 48 layers: 5.0B parameters, 0.7B active.
+    "moe-a3b": dict(hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=16,
+                    num_kv_heads=4, rope_theta=1000000.0, rms_eps=1e-6, context_length=40960,
+                    num_experts=128, experts_used=8, expert_size=768),
+    # Its dense twin: one MLP of the 8 used experts' size, the same active parameters.
+    "dense-a3b": dict(hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=16,
+                      num_kv_heads=4, rope_theta=1000000.0, rms_eps=1e-6, context_length=40960),
 }  # fmt: skip
 PROJ_TYPES = {"Q4_1": Q.Q4_1, "Q4_0": Q.Q4_0, "Q8_0": Q.Q8_0, "Q4_K_M": Q.Q4_K}
 FILE_TYPES = {
@@ -50,6 +59,8 @@ FILE_TYPES = {
     "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
 }
 WEIGHT_STD = 0.02
+# A router's weight: F32, random (not ones, which would route every token to the same experts).
+ROUTER = "router"
 CODE_STD = {Q.Q8_0: np.sqrt((256**2 - 1) / 12), Q.Q4_0: np.sqrt((16**2 - 1) / 12)}
 CODE_STD[Q.Q4_1] = CODE_STD[Q.Q4_K] = CODE_STD[Q.Q4_0]
 CODE_STD[Q.Q6_K] = np.sqrt((64**2 - 1) / 12)
@@ -85,10 +96,21 @@ def tensor_plan(
             (p + "attn_v.weight", more, (kv, h)),
             (p + "attn_output.weight", qtype, (h, q)),
             (p + "ffn_norm.weight", Q.F32, (h,)),
-            (p + "ffn_gate.weight", qtype, (f, h)),
-            (p + "ffn_up.weight", qtype, (f, h)),
-            (p + "ffn_down.weight", more, (h, f)),
         ]
+        if shape.get("num_experts"):  # Mixtral's layout: stacked [experts, out, in] tensors
+            e, fe = shape["num_experts"], shape["expert_size"]
+            plan += [
+                (p + "ffn_gate_inp.weight", ROUTER, (e, h)),
+                (p + "ffn_gate_exps.weight", qtype, (e, fe, h)),
+                (p + "ffn_up_exps.weight", qtype, (e, fe, h)),
+                (p + "ffn_down_exps.weight", more, (e, h, fe)),
+            ]
+        else:
+            plan += [
+                (p + "ffn_gate.weight", qtype, (f, h)),
+                (p + "ffn_up.weight", qtype, (f, h)),
+                (p + "ffn_down.weight", more, (h, f)),
+            ]
     plan.append(("output_norm.weight", Q.F32, (h,)))
     if untied:
         plan.append(("output.weight", Q.Q6_K if k_mix else Q.Q8_0, (vocab_size, h)))
@@ -96,6 +118,8 @@ def tensor_plan(
 
 
 def tensor_nbytes(qtype: Q, shape: tuple[int, ...]) -> int:
+    if qtype == ROUTER:
+        qtype = Q.F32
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if shape[-1] % block:
         raise ValueError(f"row length {shape[-1]} is not a multiple of {qtype.name}'s {block}")
@@ -106,23 +130,25 @@ def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...]) ->
     """F32 norms as ones; a quantized [out, in] weight as its raw bytes [out, bytes_per_row]:
     random codes, the scale d (and Q4_1's m = -8 d; the K-quants' sub-block scales 1 and Q4_K's
     offsets -8 d) fixed so weights have std WEIGHT_STD, centred."""
+    if qtype == ROUTER:
+        return rng.standard_normal(shape, dtype=np.float32)
     if qtype == Q.F32:
         return np.ones(shape, dtype=np.float32)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, n_blocks = shape[0], shape[1] // block
+    rows, n_blocks = int(np.prod(shape[:-1])), shape[-1] // block
     data = rng.integers(0, 256, (rows, n_blocks, type_size), dtype=np.uint8)
     d = np.frombuffer(np.float16(WEIGHT_STD / CODE_STD[qtype]).tobytes(), dtype=np.uint8)
     if qtype == Q.Q6_K:  # ..., 16 int8 sub-block scales, d
         data[:, :, 192:208] = 1
         data[:, :, 208:210] = d
-        return data.reshape(rows, n_blocks * type_size)
+        return data.reshape(*shape[:-1], n_blocks * type_size)
     data[:, :, 0:2] = d
     if qtype == Q.Q4_1:
         data[:, :, 2:4] = np.frombuffer(np.float16(-8 * d.view(np.float16)[0]).tobytes(), np.uint8)
     if qtype == Q.Q4_K:  # d, dmin = d, 6-bit (sc, m) packed: every sc 1, every m 8
         data[:, :, 2:4] = d
         data[:, :, 4:16] = np.array([1] * 4 + [8] * 4 + [0x81] * 4, np.uint8)
-    return data.reshape(rows, n_blocks * type_size)
+    return data.reshape(*shape[:-1], n_blocks * type_size)
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: str | Path) -> int:
@@ -167,6 +193,10 @@ def write_random_gguf(
     w.add_rope_dimension_count(head_dim(dims))
     w.add_key_length(head_dim(dims))
     w.add_value_length(head_dim(dims))
+    if dims.get("num_experts"):
+        w.add_expert_count(dims["num_experts"])
+        w.add_expert_used_count(dims["experts_used"])
+        w.add_expert_feed_forward_length(dims["expert_size"])
     w.add_file_type(FILE_TYPES[qtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab_size = copy_tokenizer(w, resolve_model(None))
@@ -175,10 +205,11 @@ def write_random_gguf(
     n_params = 0
     for name, t, shp in plan:  # the tensor infos first, so data can follow one at a time
         nbytes = tensor_nbytes(t, shp)
-        if t == Q.F32:
+        if t in (Q.F32, ROUTER):
             w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes)
         else:
-            byte_shape = (shp[0], nbytes // shp[0])
+            rows = int(np.prod(shp[:-1]))
+            byte_shape = (*shp[:-1], nbytes // rows)
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t)
         n_params += int(np.prod(shp))
     w.write_header_to_file()

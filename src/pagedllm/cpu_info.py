@@ -21,6 +21,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(platform.processor().split())
 
 
+def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers (which tell its generation where
+    a virtual machine's name does not: "AMD EPYC (family 26, model 2)"), as benchmarks print it."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = fields.get("model name", platform.processor() or "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
 def has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX-BF16: bfloat16 matmuls in hardware, not emulated."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

@@ -2,7 +2,8 @@
 against the same checkpoint on one, both built by model_loader.build as the engine builds them:
 logits of every prefill chunk and decode step within float32 tolerance, the same greedy tokens,
 and each rank holding about half of the parameters (embeddings aside). Llama's variants, every
-other architecture of the registry (Gemma 3 included), and int8 / int4 weights."""
+other architecture of the registry (Gemma 3 and the mixtures of experts included: the experts
+split by their intermediate size), and int8 / int4 weights."""
 
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def architectures(tmp_path_factory):
 @pytest.mark.parametrize(
     "name",
     ["qwen2", "qwen2_sliding", "qwen3", "mistral", "granite", "phi3", "gemma3_mixed",
-     "gemma3_softcap"],
+     "gemma3_softcap", "qwen3_moe", "qwen3_moe_dense_layer", "mixtral"],
 )  # fmt: skip
 def test_every_architecture_on_two_ranks(architectures, name):
     specs, out_dir = architectures
