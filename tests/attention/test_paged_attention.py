@@ -37,8 +37,9 @@ BACKENDS = {
 HEADS = [(4, 4), (9, 3), (16, 2), (8, 1)]
 
 
-def dense_causal_attention(q, k, v, scale, sliding_window=None, soft_cap=None):
-    """q [q_len, H, d], k/v [seq_len, kv_heads, d]: q are the last q_len positions."""
+def dense_causal_attention(q, k, v, scale, sliding_window=None, soft_cap=None, sinks=None):
+    """q [q_len, H, d], k/v [seq_len, kv_heads, d]: q are the last q_len positions. `sinks`
+    [H]: a logit per head in the softmax's sum that no value goes with (gpt-oss)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
@@ -49,7 +50,12 @@ def dense_causal_attention(q, k, v, scale, sliding_window=None, soft_cap=None):
     mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
     if sliding_window is not None:  # HF: key position > query position - window
         mask &= ~torch.ones_like(mask).tril(diagonal=seq_len - q_len - sliding_window)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(-1, q_len, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v.double())
 
 
@@ -209,10 +215,17 @@ def test_write_kv_cache_puts_each_token_in_its_slot(block_size, dtype, writer):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [1, 5, 16, 33])
 @pytest.mark.parametrize("soft_cap", [None, 5.0])
-def test_sliding_window_and_soft_cap_match_dense(backend, block_size, window, soft_cap):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_sliding_window_and_soft_cap_match_dense(backend, block_size, window, soft_cap,
+                                                 with_sinks):  # fmt: skip
     """Blocks wholly before the first query's window are NaN (released and reused by a sliding
-    layer): reading one would poison the output."""
+    layer): reading one would poison the output. With attention sinks (gpt-oss's sliding
+    layers have them), large enough to take much of the weight."""
     seed = block_size * 100 + window
+    sinks = (
+        torch.randn(9, generator=torch.Generator().manual_seed(seed)) * 2 if with_sinks else None
+    )
+    extra = {} if sinks is None else {"sinks": sinks}
     reqs = scenario("mixed", block_size, seed)
     b = build_batch(reqs, block_size, 9, 3, 64, seed=seed)
     meta = b["meta"]
@@ -225,11 +238,11 @@ def test_sliding_window_and_soft_cap_match_dense(backend, block_size, window, so
             b["v_cache"][block_id] = float("nan")
     out = BACKENDS[backend](
         b["query"], b["k_cache"], b["v_cache"], meta, 0.125,
-        sliding_window=window, logits_soft_cap=soft_cap,
+        sliding_window=window, logits_soft_cap=soft_cap, **extra,
     )  # fmt: skip
     for i, (q, k, v) in enumerate(b["dense"]):
         rows = out[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]]
-        expected = dense_causal_attention(q, k, v, 0.125, window, soft_cap).float()
+        expected = dense_causal_attention(q, k, v, 0.125, window, soft_cap, sinks).float()
         torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0, msg=f"request {i} {reqs[i]}")
 
 
@@ -304,6 +317,8 @@ def test_cpu_kernel_matches_the_reference_on_random_batches(dtype, seed):
     write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
     args = (b["query"], b["k_cache"], b["v_cache"], meta, head_dim**-0.5)
     kwargs = dict(sliding_window=window, logits_soft_cap=cap)
+    if seed % 2:
+        kwargs["sinks"] = torch.randn(num_kv_heads * group, generator=g)
     expected = paged_attention_ref(*args, **kwargs).float()
     out = paged_attention_cpu(*args, **kwargs, min_sdpa_query_len=0)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -315,16 +330,22 @@ def test_cpu_kernel_matches_the_reference_on_random_batches(dtype, seed):
 LONG_REQS = [(510, 1), (511, 1), (512, 1), (1030, 1), (2100, 1), (1020, 17), (500, 40)]
 
 
-@pytest.mark.parametrize(("window", "cap"), [(None, None), (700, None), (None, 30.0)])
+@pytest.mark.parametrize(
+    ("window", "cap", "sinks"),
+    [(None, None, False), (700, None, False), (None, 30.0, False), (700, None, True)],
+)
 @pytest.mark.parametrize("block_size", [16, 7])
-def test_cpu_kernel_splits_long_contexts_exactly(window, cap, block_size):
-    """Long contexts are split into partitions whose softmax states are merged: the reference's
-    result, and each request's rows bit for bit the same alone as in the batch."""
+def test_cpu_kernel_splits_long_contexts_exactly(window, cap, sinks, block_size):
+    """Long contexts are split into partitions whose softmax states are merged (the sinks
+    counted once, in the merge): the reference's result, and each request's rows bit for bit
+    the same alone as in the batch."""
     b = build_batch(LONG_REQS, block_size, 9, 3, 64, seed=11)
     meta = b["meta"]
     write_kv_cache(b["key"], b["value"], b["k_cache"], b["v_cache"], meta.slot_mapping)
     args = (b["query"], b["k_cache"], b["v_cache"], meta, 64**-0.5)
     kwargs = dict(sliding_window=window, logits_soft_cap=cap)
+    if sinks:
+        kwargs["sinks"] = torch.linspace(-3, 3, 9)
     expected = paged_attention_ref(*args, **kwargs)
     out = paged_attention_cpu(*args, **kwargs, min_sdpa_query_len=0)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)

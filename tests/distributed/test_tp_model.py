@@ -146,7 +146,7 @@ def architectures(tmp_path_factory):
 @pytest.mark.parametrize(
     "name",
     ["qwen2", "qwen2_sliding", "qwen3", "mistral", "granite", "phi3", "gemma3_mixed",
-     "gemma3_softcap", "qwen3_moe", "qwen3_moe_dense_layer", "mixtral"],
+     "gemma3_softcap", "qwen3_moe", "qwen3_moe_dense_layer", "mixtral", "gpt_oss"],
 )  # fmt: skip
 def test_every_architecture_on_two_ranks(architectures, name):
     specs, out_dir = architectures

@@ -1,5 +1,5 @@
-"""A mixture-of-experts model (a tiny random Qwen3-MoE, float32) through every scheduler feature
-that touches the KV cache, transformers as the oracle: block sizes 1 / 16 / 32, alone and
+"""Mixture-of-experts models (tiny random Qwen3-MoE and gpt-oss, float32) through every scheduler
+feature that touches the KV cache, transformers as the oracle: block sizes 1 / 16 / 32, alone and
 batched, chunked prefill with small budgets, preemption by recompute and by swap, n = 3 seeded
 samples, beam search, and prefix-cache hits. Routing is per token, so none of these may change a
 token's experts: every run must give transformers' tokens."""
@@ -18,18 +18,33 @@ PROMPTS = [[(7 * i + 13 * j) % 120 + 3 for j in range(5 + (9 * i) % 17)] for i i
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+COMMON = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+    initializer_range=0.1, bos_token_id=None, eos_token_id=2, pad_token_id=None,
+)  # fmt: skip
+MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        intermediate_size=96, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)),
+    # A sliding layer of 8 beside a full one, attention sinks, biases, the clamped SwiGLU.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        intermediate_size=32, num_local_experts=8, head_dim=16, sliding_window=8,
+        swiglu_limit=2.0)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def tiny(request, tmp_path_factory):
     """(path, transformers model, its greedy continuation of each prompt, alone)."""
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, norm_topk_prob=True, max_position_embeddings=256,
-        initializer_range=0.1, bos_token_id=None, eos_token_id=2, pad_token_id=None,
-    )  # fmt: skip
+    config_cls, model_cls, extra = MODELS[request.param]
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
     torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    hf = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # transformers starts sinks and biases at 0
+        for name, p in hf.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf.save_pretrained(path)
     with torch.inference_mode():
         want = [
@@ -65,9 +80,11 @@ def test_greedy_equals_transformers_alone_and_batched(tiny, block_size, budget):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_gives_transformers_tokens(tiny, mode):
-    path, _, want = tiny
-    # 16 blocks of 4: each request needs 6-10 of them, the six together ~50.
-    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16, preemption_mode=mode,
+    path, hf, want = tiny
+    # 16 blocks of 4 a layer group: each request needs 6-10 of them, the six together ~50
+    # (gpt-oss has a sliding group beside the full one).
+    groups = len(set(getattr(hf.config, "layer_types", None) or ["full_attention"]))
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16 * groups, preemption_mode=mode,
                    swap_space=0.001)  # fmt: skip
     assert greedy(llm) == want
     scheduler = llm.llm_engine.scheduler

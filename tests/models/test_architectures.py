@@ -80,6 +80,27 @@ ARCHS = {
         dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=48, mlp_only_layers=[0]),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    # Sinks, biases, alternating sliding / full layers, YaRN with a small original context.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            swiglu_limit=2.0,  # small enough that the clamps bite on these weights
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=8.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                rope_theta=150000.0,
+                original_max_position_embeddings=32,
+                truncate=False,
+            ),
+        ),  # fmt: skip
+    ),
 }
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61], [7, 1, 2], [11, 23, 5, 90, 64, 33, 2, 8, 77, 15, 4, 40, 9]]
 MAX_NEW_TOKENS = 32
@@ -104,8 +125,10 @@ def hf_reference(name: str):
         for pname, p in hf.named_parameters():
             if pname.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+            elif pname.endswith(("bias", "sinks")):
+                p.copy_(
+                    0.1 * torch.randn_like(p) if pname.endswith("bias") else torch.randn_like(p)
+                )
     expected = []
     for prompt in PROMPTS:
         out = hf.generate(
@@ -139,42 +162,32 @@ def load(name: str, source: str, tmp_path):
 
 # Not qwen2_sliding from GGUF: llama.cpp's converter stores no Qwen2 sliding window (nor layer
 # types), so such a file holds a full-attention model; nor a dense layer among experts.
-HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer")
+HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer", "gpt_oss")
 CASES = [
     (n, s) for n in sorted(ARCHS) for s in ("hf_dir", "gguf") if (s, n in HF_ONLY) != ("gguf", True)
 ]
 
 
-def checkpoint_state(hf, model) -> dict[str, torch.Tensor]:
-    """hf's weights by the names the model takes them (its weight_renames; transformers 5
-    holds each layer's experts stacked, [experts, rows, columns], a checkpoint each apart)."""
+def checkpoint_state(tensors, model) -> dict[str, torch.Tensor]:
+    """Named tensors (hf's state_dict, or a loaded checkpoint's) by the names the model takes
+    them: its weight_renames, then its split_weight (transformers 5 holds each layer's experts
+    stacked; a checkpoint may hold them apart). A tied head's copy left out."""
     state = {}
-    for name, tensor in hf.state_dict().items():
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            stem, _, proj = name.rpartition(".")
-            parts = ["gate_proj", "up_proj"] if proj == "gate_up_proj" else [proj]
-            for e, expert in enumerate(tensor):
-                for part, rows in zip(parts, expert.chunk(len(parts)), strict=True):
-                    state[f"{stem}.{e}.{part}.weight"] = rows
-        else:
-            state[name] = tensor
+    for name, tensor in tensors.items():
+        for pattern, replacement in model.weight_renames:
+            name = re.sub(pattern, replacement, name)
+        state.update(model.split_weight(name, tensor))
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)
     return state
-
-
-def renamed(model, name: str) -> str:
-    for pattern, replacement in model.weight_renames:
-        name = re.sub(pattern, replacement, name)
-    return name
 
 
 @pytest.mark.parametrize("name,source", CASES)
 def test_matches_transformers(name, source, tmp_path):
     hf, expected = hf_reference(name)
     model, loaded = load(name, source, tmp_path)
-    state = checkpoint_state(hf, model)
-    weights = {renamed(model, k): v for k, v in loaded.weights.items()}
+    state = checkpoint_state(hf.state_dict(), model)
+    weights = checkpoint_state(loaded.weights, model)
     assert set(weights) == set(state)
     for k, v in state.items():  # GGUF: q/k rows un-permuted where llama.cpp permutes them
         assert torch.equal(weights[k].float(), v), k

@@ -79,8 +79,31 @@ def test_rope_scaling_types():
     assert n == 2048 and torch.allclose(linear, default / 2)
     dynamic, n = compute_inv_freq(HEAD_DIM, 10000.0, {"rope_type": "dynamic", "factor": 2.0}, 1024)
     assert n == 2048 and dynamic[0] == 1 and (dynamic[1:] < default[1:]).all()
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
-        RotaryEmbedding(HEAD_DIM, 1024, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
+        RotaryEmbedding(HEAD_DIM, 1024, 10000.0, {"rope_type": "longrope", "factor": 4.0})
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_tables_equal_transformers(truncate):
+    """cos and sin (YaRN's attention factor in them) as gpt-oss's rotary embedding makes them,
+    the correction range rounded to whole dims or not."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from pagedllm.model_loader.hf_config import _rope
+
+    rope = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=truncate,
+                original_max_position_embeddings=256, rope_theta=150000.0)  # fmt: skip
+    config = GptOssConfig(head_dim=64, hidden_size=256, num_attention_heads=4,
+                          max_position_embeddings=8192, rope_parameters=rope)  # fmt: skip
+    hf = GptOssRotaryEmbedding(config)
+    theta, scaling, _ = _rope(config.to_dict())
+    ours = RotaryEmbedding(64, 8192, theta, scaling)
+    positions = torch.arange(0, 8192, 37)
+    cos, sin = hf(torch.zeros(1), positions[None])
+    assert hf.attention_scaling > 1.3  # the factor is there to be checked
+    assert torch.equal(ours.cos_cache[positions], cos[0])
+    assert torch.equal(ours.sin_cache[positions], sin[0])
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])

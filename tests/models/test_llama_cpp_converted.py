@@ -33,6 +33,31 @@ MODELS = {
         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    # The file stores no SwiGLU limit (llama.cpp fixes gpt-oss's at 7) and YaRN without
+    # transformers' truncate flag (gpt-oss's is false).
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            sliding_window=6,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=8.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                rope_theta=150000.0,
+                original_max_position_embeddings=32,
+                truncate=False,
+            ),
+        ),  # fmt: skip
+    ),
+}
+ARCHITECTURES = {  # what each loads as from a GGUF (llama.cpp writes Mixtral as "llama")
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "LlamaForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61], [7, 1, 2, 400, 5000], [11, 23, 5, 90, 64, 33, 2, 8, 77]]
 NEW_TOKENS = 24
@@ -51,10 +76,12 @@ def converted(request, tmp_path_factory):
     config = getattr(transformers, config_cls)(vocab_size=len(tokenizer()), **SHAPE, **extra)
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # norms are initialised to 1: randomised so loading them is tested
+    with torch.no_grad():  # norms start at 1, sinks and biases at 0: randomised
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(("sinks", "bias")):
+                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
     d = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(d / "hf")
     tokenizer().save_pretrained(d / "hf")
@@ -72,17 +99,14 @@ def test_f32_file_holds_the_weights_and_gives_transformers_greedy_tokens(convert
     name, hf, _, files = converted
     loaded = load_gguf(files["f32"], with_tokenizer=False)
     c = loaded.config
-    assert (
-        c.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "LlamaForCausalLM"}[name]
-    )
-    assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == (
+    assert c.architecture == ARCHITECTURES[name]
+    assert (c.num_experts, c.num_experts_per_tok) == (
         hf.config.num_experts if name == "qwen3_moe" else hf.config.num_local_experts,
         hf.config.num_experts_per_tok,
-        True,
     )
     from pagedllm.models import get_model_class
 
-    state = checkpoint_state(hf, get_model_class(c.architecture)(c))
+    state = checkpoint_state(hf.state_dict(), get_model_class(c.architecture)(c))
     assert set(loaded.weights) == set(state)
     for k, v in state.items():  # llama's q/k rows permuted by the converter, restored
         assert torch.equal(loaded.weights[k], v), k

@@ -21,6 +21,7 @@ from pagedllm.kernels import cpu_ops
 # and on whole prompts up to about this length (1.10x at 1024 rows, 0.98x at 2048, 0.82x at
 # 4096: docs/performance.md).
 MIN_SDPA_QUERY_LEN = 2048
+_NO_SINKS = torch.empty(0)
 
 
 def paged_attention_cpu(
@@ -33,6 +34,7 @@ def paged_attention_cpu(
     logits_soft_cap: float | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     min_sdpa_query_len: int = MIN_SDPA_QUERY_LEN,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference.
@@ -42,8 +44,9 @@ def paged_attention_cpu(
     head_dim = query.shape[-1]
     if head_dim % ops.vec_size or head_dim > ops.max_head_dim:  # rows must fill whole vectors
         return paged_attention_sdpa(
-            query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, key, value
-        )
+            query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, key, value,
+            sinks,
+        )  # fmt: skip
     out = torch.empty_like(query)
     ops.paged_attention(
         out,
@@ -57,11 +60,12 @@ def paged_attention_cpu(
         sliding_window or 0,
         logits_soft_cap or 0.0,
         min_sdpa_query_len,
+        _NO_SINKS if sinks is None else sinks.float().contiguous(),
     )
     if min_sdpa_query_len and meta.max_query_len >= min_sdpa_query_len:
         prefill_sdpa(
             query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out,
-            min_query_len=min_sdpa_query_len, key=key, value=value,
+            min_query_len=min_sdpa_query_len, key=key, value=value, sinks=sinks,
         )  # fmt: skip
     return out
 

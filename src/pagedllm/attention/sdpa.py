@@ -24,6 +24,7 @@ def paged_attention_sdpa(
     logits_soft_cap: float | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], like the reference.
     `key`/`value` [T, kv_heads, head_dim]: this step's K/V (already in the cache); prompts with
@@ -33,29 +34,34 @@ def paged_attention_sdpa(
     out = torch.empty_like(query)
     plan = _decode_plan(meta, query.device, sliding_window)
     if plan is not None:
-        _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out)
+        _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out, sinks)
     if meta.max_query_len > 1:
         prefill_sdpa(
             query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out,
-            key=key, value=value,
+            key=key, value=value, sinks=sinks,
         )  # fmt: skip
     return out
 
 
-def _attend(q, k, v, mask, scale, logits_soft_cap, is_causal=False):
+def _attend(q, k, v, mask, scale, logits_soft_cap, is_causal=False, sinks=None):
     """q [B, H, q_len, d], k/v [B, kv_heads, k_len, d]; SDPA unless the scores are soft-capped
-    (SDPA has no hook between the scores and the softmax)."""
-    if logits_soft_cap is None:
+    or there are attention sinks (SDPA has no hook between the scores and the softmax)."""
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / logits_soft_cap)) * logits_soft_cap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     if is_causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1) @ v
+    if sinks is None:
+        return scores.softmax(dim=-1) @ v
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1] @ v
 
 
 def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: int | None):
@@ -94,7 +100,7 @@ def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: 
     return plan
 
 
-def _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out) -> None:
+def _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out, sinks=None) -> None:
     rows, slots, valid = plan
     num_kv_heads, row = k_cache.shape[-2:]
     shape = (*valid.shape, num_kv_heads, query.shape[-1])  # [B, max_len, kv_heads, d]
@@ -110,13 +116,14 @@ def _decode(query, k_cache, v_cache, scale, logits_soft_cap, plan, out) -> None:
         valid[:, None, None, :],
         scale,
         logits_soft_cap,
+        sinks=sinks,
     )
     out[rows] = o.squeeze(2)
 
 
 def prefill_sdpa(
     query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, out,
-    min_query_len=2, key=None, value=None,
+    min_query_len=2, key=None, value=None, sinks=None,
 ) -> None:  # fmt: skip
     """One SDPA call per request with at least `min_query_len` query rows, into `out`."""
     num_kv_heads, head_dim = k_cache.shape[-2], query.shape[-1]
@@ -148,7 +155,7 @@ def prefill_sdpa(
             k = k[: seq_len - ctx_start].transpose(0, 1)[None]
             v = v[: seq_len - ctx_start].transpose(0, 1)[None]
         if num_cached == 0 and sliding_window is None:
-            o = _attend(q, k, v, None, scale, logits_soft_cap, is_causal=True)
+            o = _attend(q, k, v, None, scale, logits_soft_cap, is_causal=True, sinks=sinks)
         else:
             # SDPA's is_causal aligns top-left; queries here are the last q_len positions.
             q_pos = torch.arange(num_cached, seq_len, device=query.device)[:, None]
@@ -156,5 +163,5 @@ def prefill_sdpa(
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-            o = _attend(q, k, v, mask, scale, logits_soft_cap)
+            o = _attend(q, k, v, mask, scale, logits_soft_cap, sinks=sinks)
         out[start:end] = o[0].transpose(0, 1)

@@ -43,6 +43,7 @@ def paged_attention_ref(
     logits_soft_cap: float | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, num_heads, head_dim] -> [T, num_heads, head_dim], computed in float32.
     Everything is read from the caches; `key`/`value` (this step's K/V) are ignored.
@@ -50,6 +51,8 @@ def paged_attention_ref(
     `sliding_window`: a query at position p sees keys at positions > p - sliding_window only;
     positions before the first query's window are never read (a sliding layer may have released
     their blocks). `logits_soft_cap`: scores become cap * tanh(scores / cap) before the softmax.
+    `sinks` [num_heads]: each head's attention sink (gpt-oss), a logit in the softmax's sum that
+    no value goes with: it takes its share of the weight away from every key.
     """
     num_heads = query.shape[1]
     num_kv_heads, row = k_cache.shape[-2:]
@@ -81,6 +84,10 @@ def paged_attention_ref(
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = scores.softmax(dim=-1)
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -69,6 +69,16 @@ class ModelArchConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # gpt-oss's mixture: the softmax over the top k logits (not top k of the softmax), biases on
+    # the router and the experts, and its clamped SwiGLU: (clamp(up, +-limit) + 1) *
+    # g * sigmoid(alpha * g) with g = min(gate, limit).
+    router_softmax_after_topk: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.702
+    # Each head's attention sink (gpt-oss): a learned logit in the softmax's sum with no value.
+    attention_sinks: bool = False
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s MLP is a mixture of experts (Qwen3-MoE's rule)."""
@@ -89,7 +99,7 @@ class ModelArchConfig:
 
 # The rope_scaling types layers/rotary.py computes; the loaders refuse others when they read a
 # config (torch-free, so reading a model's config imports no torch).
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rope_type(rope_scaling: dict | None) -> str:

@@ -47,8 +47,10 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [T, H * d], key/value [T, kv_heads * d] -> [T, H * d]."""
+        """query [T, H * d], key/value [T, kv_heads * d] -> [T, H * d]; `sinks` [H]: each head's
+        attention sink logit (gpt-oss)."""
         num_tokens = query.shape[0]
         attn_metadata = attn_metadata.for_layer(self.layer_idx)
         k_cache, v_cache = kv_cache
@@ -69,6 +71,7 @@ class Attention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
             key=key,
             value=value,
+            **({} if sinks is None else {"sinks": sinks}),
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 

@@ -1,5 +1,5 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router picks each token's top-k
-experts, and the token's output is their outputs weighted by the router's probabilities.
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): a softmax router picks each token's
+top-k experts, and the token's output is their outputs weighted by the router's probabilities.
 
 The experts run grouped by expert, not by token: the step's (token, expert) pairs are sorted
 by expert, and each expert that any token chose multiplies all of its tokens' rows in one
@@ -17,44 +17,49 @@ from torch import nn
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import all_reduce
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import ClampedSwiGLU, SiluAndMul
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
 
 
 class ExpertMLP(nn.Module):
-    """One expert: down(silu(gate(x)) * up(x)), its down projection's partial sum left to the
-    block (reduced once for all experts)."""
+    """One expert: down(act(gate(x), up(x))), silu(gate) * up or gpt-oss's clamped SwiGLU, its
+    down projection's partial sum left to the block (reduced once for all experts)."""
 
     def __init__(
         self,
-        hidden: int,
-        intermediate: int,
+        config: ModelArchConfig,
         dtype: torch.dtype,
         quant_config: QuantizationConfig | None,
         prefix: str,
     ):
         super().__init__()
+        hidden, inter, bias = config.hidden_size, config.moe_intermediate_size, config.expert_bias
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [intermediate, intermediate], False, dtype, quant_config,
-            f"{prefix}.gate_up_proj",
-        )  # fmt: skip
+            hidden, [inter, inter], bias, dtype, quant_config, f"{prefix}.gate_up_proj"
+        )
         self.down_proj = RowParallelLinear(
-            intermediate, hidden, False, dtype, quant_config, f"{prefix}.down_proj",
-            reduce_results=False,
-        )  # fmt: skip
-        self.act_fn = SiluAndMul()
+            inter, hidden, bias, dtype, quant_config, f"{prefix}.down_proj", reduce_results=False
+        )
+        if config.swiglu_limit is None:
+            self.act_fn = SiluAndMul()
+        else:
+            self.act_fn = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
-    """The router's [num_experts, hidden] weight, held whole by every rank (it is small)."""
+    """The router's [num_experts, hidden] weight (and bias), held whole by every rank (small)."""
 
-    def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, num_experts: int, hidden: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoeBlock(nn.Module):
@@ -70,27 +75,26 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.softmax_after_topk = config.router_softmax_after_topk
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"{self.top_k} experts per token of {self.num_experts}: must be 1..num_experts"
             )
-        self.gate = Router(self.num_experts, config.hidden_size, dtype)
+        self.gate = Router(self.num_experts, config.hidden_size, config.router_bias, dtype)
         self.experts = nn.ModuleList(
-            ExpertMLP(
-                config.hidden_size,
-                config.moe_intermediate_size,
-                dtype,
-                quant_config,
-                f"{prefix}.experts.{e}",
-            )  # fmt: skip
+            ExpertMLP(config, dtype, quant_config, f"{prefix}.experts.{e}")
             for e in range(self.num_experts)
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): the softmax (in float32) of the router's
-        logits, its top k, renormalised if the architecture does."""
-        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
+        logits, its top k, renormalised if the architecture does; or (gpt-oss) the softmax of
+        the top k logits."""
+        logits = self.gate(x).float()
+        if self.softmax_after_topk:
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
+        weights, ids = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids

@@ -25,6 +25,8 @@ def compute_inv_freq(
     kind = rope_type(rope_scaling)
     if kind == "default":
         return inv_freq, max_position_embeddings
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, base, rope_scaling, max_position_embeddings)
     factor = float(rope_scaling["factor"])
     if kind == "linear":
         # Positions are divided by factor, i.e. the context is stretched factor times.
@@ -53,6 +55,54 @@ def compute_inv_freq(
     return torch.where(is_medium, smoothed, inv_freq_llama), max_position_embeddings
 
 
+def yarn_inv_freq(
+    head_dim: int, base: float, rope_scaling: dict, max_position_embeddings: int
+) -> tuple[torch.Tensor, int]:
+    """YaRN (transformers' _compute_yarn_parameters): the dims that turn fewer than beta_slow
+    times over the original context are interpolated (divided by factor), those turning more
+    than beta_fast times keep their frequency, a linear ramp between."""
+    factor = rope_scaling.get("factor")
+    original = rope_scaling.get("original_max_position_embeddings", max_position_embeddings)
+    factor = float(factor if factor is not None else max_position_embeddings / original)
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, max_position_embeddings
+
+
+def rope_attention_factor(rope_scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1, or its
+    mscale form), 1 for the other types."""
+    if rope_type(rope_scaling) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling.get("factor") or 1.0)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, m) / mscale(factor, m_all)
+    return mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -73,6 +123,12 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)  # [P, d/2]
             # The fused CPU kernel's float32 tables: plain attributes, which module.to() keeps.
             self.cos_f32, self.sin_f32 = freqs.cos(), freqs.sin()
+            attention_factor = rope_attention_factor(rope_scaling)
+            if attention_factor != 1.0:  # in float32 before any rounding, as transformers does
+                self.cos_f32, self.sin_f32 = (
+                    self.cos_f32 * attention_factor,
+                    self.sin_f32 * attention_factor,
+                )
         # Non-persistent: derived from the config, never part of a checkpoint. In the model's
         # dtype: HF casts cos/sin to the activations' dtype as well, and so does cos_sin.
         device = torch.get_default_device()

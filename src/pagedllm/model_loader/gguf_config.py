@@ -161,7 +161,7 @@ def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
 def _moe_options(meta: dict, arch: str, tensors: dict) -> dict:
     """A mixture of experts (qwen3moe; Mixtral, written as llama): llama.cpp's graphs of these
     architectures always renormalise the top k weights, and put experts in every layer."""
-    if arch not in ("qwen3moe", "llama"):
+    if arch not in ("qwen3moe", "llama", "gpt-oss"):
         raise ValueError(f"{arch} GGUF with experts: not supported")
     experts, used = int(meta[f"{arch}.expert_count"]), int(meta.get(f"{arch}.expert_used_count", 0))
     if not 0 < used <= experts:
@@ -175,12 +175,18 @@ def _moe_options(meta: dict, arch: str, tensors: dict) -> dict:
     ]
     if missing:
         raise ValueError(f"{arch} GGUF with experts lacks blk.0.{missing[0]}.weight")
-    return {
+    fields = {
         "num_experts": experts,
         "num_experts_per_tok": used,
         "moe_intermediate_size": int(size),
         "norm_topk_prob": True,
     }
+    if arch == "gpt-oss":  # llama.cpp's graph fixes its SwiGLU's alpha and limit
+        fields.update(
+            norm_topk_prob=False, router_softmax_after_topk=True, router_bias=True,
+            expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, attention_sinks=True,
+        )  # fmt: skip
+    return fields
 
 
 def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
@@ -239,6 +245,14 @@ def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
     rope_type(config.rope_scaling)  # ValueError for a type we cannot compute
     if arch == "gemma3":
         _gemma3_config(meta, config)
+    if arch == "gpt-oss":
+        # Sliding and full layers alternate (llama.cpp's pattern of 2); YaRN's correction range
+        # is not rounded to whole dims (transformers' gpt-oss config: truncate false; llama.cpp
+        # rounds it).
+        n = config.num_hidden_layers
+        config.layer_types = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+        if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn":
+            config.rope_scaling["truncate"] = False
     return config
 
 

@@ -67,6 +67,11 @@ _EXPERT_TENSORS = {
 }
 # Per-architecture names that differ from llama's (gemma3's ffn_norm is the pre-MLP norm).
 _ARCH_LAYER_TENSORS = {
+    "gpt-oss": {
+        **_LAYER_TENSORS,
+        "post_attention_norm": "post_attention_layernorm",  # the norm before the experts
+        "attn_sinks": "self_attn.sinks",
+    },
     "gemma3": {
         **_LAYER_TENSORS,
         "attn_q_norm": "self_attn.q_norm",
@@ -92,6 +97,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         module = layer_tensors[m.group(2)]
         if arch == "phi3" and module == "mlp.up_proj":
             module = "mlp.gate_up_proj"  # phi3's ffn_up holds gate and up, fused as in HF
+        if module == "self_attn.sinks":
+            return f"model.layers.{m.group(1)}.{module}"  # a parameter of its own, as in HF
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
     raise ValueError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file")
 
@@ -198,7 +205,7 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool, with_tokeni
     for t in reader.tensors:
         experts = expert_names(t.name, config.num_experts)
         if experts is not None:
-            if len(t.shape) != 3 or t.shape[-1] != config.num_experts:  # ggml order
+            if len(t.shape) not in (2, 3) or t.shape[-1] != config.num_experts:  # ggml order
                 raise ValueError(
                     f"tensor {t.name} has shape {tuple(reversed(t.shape))}, not one of "
                     f"{config.num_experts} experts"

@@ -74,6 +74,12 @@ def _rope(cfg: dict) -> tuple[float, dict | None, float]:
 def _sliding_window(arch: str, cfg: dict) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as transformers applies them for each architecture."""
     window = cfg.get("sliding_window")
+    if arch == "GptOssForCausalLM":  # sliding and full layers alternating, as listed
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        return window, list(layer_types)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return window, None  # every layer slides when a window is set (layer_types ignored)
     if arch == "Qwen3MoeForCausalLM":  # every layer slides when use_sliding_window
@@ -99,6 +105,16 @@ def _arch_options(arch: str, cfg: dict) -> dict:
         return {"qk_norm": True, **_moe_fields(cfg, cfg.get("moe_intermediate_size"))}
     if arch == "MixtralForCausalLM":  # every layer's experts, of the dense intermediate size
         return {**_moe_fields(cfg, cfg["intermediate_size"]), "norm_topk_prob": True}
+    if arch == "GptOssForCausalLM":
+        return {
+            **_moe_fields({**cfg, "hidden_act": "silu"}, cfg["intermediate_size"]),
+            "router_softmax_after_topk": True,
+            "router_bias": True,
+            "expert_bias": True,
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "attention_sinks": True,
+        }
     if arch == "BertModel":
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"BERT with {cfg['position_embedding_type']} position embeddings")

@@ -13,6 +13,8 @@ already). The layers split themselves across a tensor-parallel group (layers/lin
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -29,6 +31,7 @@ from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.quantization import QuantizationConfig, QuantWeight
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.weight_utils import check_shape
 from pagedllm.models.fused_decoder import FusedDecoder, NotFusable
 from pagedllm.models.utils import load_weights
 
@@ -72,6 +75,17 @@ class LlamaAttention(nn.Module):
             sliding_window=config.layer_sliding_window(layer_idx),
             layer_idx=layer_idx,
         )
+        self.sinks = None
+        if config.attention_sinks:  # this rank's heads' sinks, kept in float32
+            if self.attn.backend.name == "triton":
+                raise ValueError(
+                    "attention sinks (gpt-oss) are not in the triton attention backend: use "
+                    "--attention-backend sdpa"
+                )
+            self.sinks = nn.Parameter(torch.empty(heads.num_heads), requires_grad=False)
+            self.sinks.weight_loader = functools.partial(
+                _load_heads, start=heads.q_start, total=config.num_attention_heads
+            )
 
     def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
         qkv = self.qkv_proj(hidden_states)
@@ -80,7 +94,13 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
         q, k = self.rotary_emb.apply(q, k, cos_sin)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sinks=self.sinks))
+
+
+def _load_heads(param: nn.Parameter, loaded: torch.Tensor, shard_id=None, *, start, total):
+    """A per-head parameter's rows of this rank's query heads."""
+    check_shape(loaded, (total,))
+    param.data.copy_(loaded[start : start + param.shape[0]])
 
 
 class LlamaMLP(nn.Module):
@@ -194,10 +214,35 @@ class LlamaForCausalLM(nn.Module):
     # experts: w1 / w3 / w2 are gate / up / down), as re.sub patterns.
     weight_renames = (
         (r"\.block_sparse_moe\.", ".mlp."),
+        (r"\.mlp\.router\.", ".mlp.gate."),  # gpt-oss's router
         (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
         (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
         (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
     )
+
+    _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+
+    def split_weight(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor that holds several of the model's (load_weights asks about each
+        name its weight_renames leave): a layer's experts stacked, as transformers 5 holds
+        them ([experts, 2 x intermediate, hidden]: gate then up; gpt-oss's transposed, [experts,
+        hidden, 2 x intermediate], gate and up interleaved column by column), one expert's gate,
+        up or down projection each; any other tensor as it is."""
+        m = self._FUSED_EXPERTS.fullmatch(name)
+        if m is None or tensor.dim() != 2 + (m.group(3) is None):
+            return [(name, tensor)]
+        stem, proj, kind = m.group(1), m.group(2), "bias" if m.group(3) else "weight"
+        interleaved = self.config.architecture == "GptOssForCausalLM"
+        parts = []
+        for e, t in enumerate(tensor):
+            if interleaved and kind == "weight":
+                t = t.T  # [out, in], as the layers take them
+            if proj == "down_proj":
+                parts.append((f"{stem}.{e}.down_proj.{kind}", t))
+                continue
+            gate, up = (t[0::2], t[1::2]) if interleaved else t.chunk(2)
+            parts += [(f"{stem}.{e}.gate_proj.{kind}", gate), (f"{stem}.{e}.up_proj.{kind}", up)]
+        return parts
 
     def __init__(
         self,

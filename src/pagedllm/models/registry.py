@@ -11,6 +11,7 @@ import importlib
 # Llama's close relatives share its decoder; their differences are ModelArchConfig options.
 # HF architecture -> (module under pagedllm.models, class).
 _MODELS: dict[str, tuple[str, str]] = {
+    "GptOssForCausalLM": ("llama", "LlamaForCausalLM"),
     "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -28,6 +29,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 # with experts.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",

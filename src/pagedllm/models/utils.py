@@ -63,9 +63,7 @@ def load_weights(
         loaded.update(k for k in required if k[0] == target and shard_id in (None, k[1]))
 
     renames = [(re.compile(p), r) for p, r in getattr(model, "weight_renames", ())]
-    for name, read in _entries(weights):
-        for pattern, replacement in renames:
-            name = pattern.sub(replacement, name)
+    for name, read in _split(model, _entries(weights), renames):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
         if name == LM_HEAD and tied:
@@ -83,6 +81,20 @@ def load_weights(
     missing = sorted({name for key, name in required.items() if key not in loaded})
     if missing:
         raise ValueError(f"weights missing from the checkpoint: {', '.join(missing)}")
+
+
+def _split(model, entries, renames) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Entries renamed by the model's weight_renames, and each tensor that holds several of the
+    model's split by its split_weight (read at once: stacked experts)."""
+    split = getattr(model, "split_weight", None)
+    for name, read in entries:
+        for pattern, replacement in renames:
+            name = pattern.sub(replacement, name)
+        if split is None or not name.endswith(("_proj", "_proj_bias")):
+            yield name, read
+            continue
+        for part, tensor in split(name, read()):
+            yield part, functools.partial(lambda t: t, tensor)
 
 
 def _entries(weights) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:

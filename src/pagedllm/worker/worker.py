@@ -211,10 +211,14 @@ class Worker:
             blocks_per_request * bytes_per_block / 2**20, num_blocks / blocks_per_request,
         )  # fmt: skip
         if num_blocks < peak:
+            raise_to = (
+                f"--num-gpu-blocks-override to at least {peak}"
+                if cache.num_gpu_blocks_override is not None
+                else f"--kv-cache-memory to at least {-(-peak * bytes_per_block // 2**20)}MiB"
+            )
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks, less than one request of max_model_len "
-                f"{max_len} needs ({peak}): raise --kv-cache-memory to at least "
-                f"{peak * bytes_per_block / 2**20:.0f}MiB or lower --max-model-len"
+                f"{max_len} needs ({peak}): raise {raise_to} or lower --max-model-len"
             )
         return num_blocks
 

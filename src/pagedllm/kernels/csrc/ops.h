@@ -20,7 +20,8 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     int64_t sliding_window, double logits_soft_cap, int64_t skip_prefill_from);
+                     int64_t sliding_window, double logits_soft_cap, int64_t skip_prefill_from,
+                     const at::Tensor& sinks = at::Tensor());
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
                        at::Tensor v_cache, const at::Tensor& slot_mapping);
 

@@ -53,12 +53,18 @@ struct WorkItem {
   int64_t partial;  // -1: the whole context, written to out; else its offset in the partials
 };
 
+// An attention sink's share of the softmax's sum (gpt-oss): exp(sink - the running max), a
+// logit no value goes with; 0 without sinks.
+inline float sink_weight(const float* sinks, int64_t head, float run_max) {
+  return sinks == nullptr ? 0.f : std::exp(sinks[head] - run_max);
+}
+
 template <typename scalar_t, typename cache_t>
 void paged_attention_kernel(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-    double logits_soft_cap, int64_t skip_prefill_from) {
+    double logits_soft_cap, int64_t skip_prefill_from, const float* sinks) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -222,7 +228,7 @@ void paged_attention_kernel(
       }
       for (int64_t s = 0; s < slots; ++s) {
         const int64_t r = s / group, g = s % group;
-        const float inv = 1.f / run_sum[s];
+        const float inv = 1.f / (run_sum[s] + sink_weight(sinks, it.kv_head * group + g, run_max[s]));
         scalar_t* dst = o_ptr + (it.row_begin + r) * o_row + (it.kv_head * group + g) * o_head;
         const float* a = &acc[s * head_dim];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
@@ -256,7 +262,7 @@ void paged_attention_kernel(
           for (int64_t d = 0; d < head_dim; ++d) merged[d] += a[d] * w;
         }
         const int64_t r = s / group, g = s % group;
-        const float inv = 1.f / sum;
+        const float inv = 1.f / (sum + sink_weight(sinks, it.kv_head * group + g, m));
         scalar_t* dst = o_ptr + (it.row_begin + r) * o_row + (it.kv_head * group + g) * o_head;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv);
       }
@@ -269,7 +275,12 @@ void paged_attention_kernel(
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     int64_t sliding_window, double logits_soft_cap, int64_t skip_prefill_from) {
+                     int64_t sliding_window, double logits_soft_cap, int64_t skip_prefill_from,
+                     const at::Tensor& sinks) {
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
+  TORCH_CHECK(!has_sinks || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                             sinks.numel() == query.size(1)),
+              "sinks: float32 [heads], or empty for none");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [T, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
@@ -297,7 +308,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   auto run = [&](auto query_tag, auto cache_tag) {
     paged_attention_kernel<decltype(query_tag), decltype(cache_tag)>(
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        sliding_window, logits_soft_cap, skip_prefill_from);
+        sliding_window, logits_soft_cap, skip_prefill_from,
+        has_sinks ? sinks.data_ptr<float>() : nullptr);
   };
   auto with_cache = [&](auto query_tag) {
     switch (k_cache.scalar_type()) {
@@ -328,5 +340,6 @@ void register_paged_attention(pybind11::module& m) {
         "paged attention over the block tables: (out, query, k_cache, v_cache, block_tables, "
         "seq_lens, query_start_loc, scale, sliding_window (0: none), logits_soft_cap (0: none), "
         "skip_prefill_from (0: none; else requests with at least this many query rows are left to "
-        "the caller: their rows of out are not written))");
+        "the caller: their rows of out are not written), sinks (float32 [heads]: each head's "
+        "attention sink logit; empty: none))");
 }
