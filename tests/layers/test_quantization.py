@@ -240,18 +240,21 @@ def test_gguf_q4_k_blocks_up_to_float16_scales():
 
 
 @pytest.mark.parametrize("kind", ["int6", "int8x"])
-@pytest.mark.parametrize("qtype", [_Q.Q6_K, _Q.Q5_K, _Q.Q5_1])
+@pytest.mark.parametrize("qtype", [_Q.Q6_K, _Q.Q5_K, _Q.Q5_1, _Q.MXFP4])
 def test_gguf_int8x_blocks_are_taken_exactly(qtype, kind):
-    """Random blocks with sane float16 d (and dmin / m): the int8x codes give gguf's weights bit
-    for bit; the integer layer (in 6 bits, or 8) keeps the scales in float16 (2^-11 relative at
-    most) and its product is the float64 one of the same numbers, within float32 rounding."""
+    """Random blocks with sane float16 d (and dmin / m; MXFP4: exponents in float16's range):
+    the int8x codes give gguf's weights bit for bit; the integer layer (in 6 bits, or 8) keeps
+    the scales in float16 (2^-11 relative at most; MXFP4's powers of two exactly) and its product
+    is the float64 one of the same numbers, within float32 rounding."""
     rng = np.random.default_rng(2)
     n, k = 48, 512
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
-    for byte in {_Q.Q6_K: (208,), _Q.Q5_K: (0, 2), _Q.Q5_1: (0, 2)}[qtype]:  # d, dmin / m
-        d = (rng.random((len(blocks), 1)) * 0.01).astype(np.float16)
+    for byte in {_Q.Q6_K: (208,), _Q.Q5_K: (0, 2), _Q.Q5_1: (0, 2), _Q.MXFP4: ()}[qtype]:
+        d = (rng.random((len(blocks), 1)) * 0.01).astype(np.float16)  # d, dmin / m
         blocks[:, byte : byte + 2] = d.view(np.uint8)
+    if qtype == _Q.MXFP4:  # E8M0 exponents: scales 2^-24 .. 2^15, float16's whole range
+        blocks[:, 0] = rng.integers(104, 144, len(blocks))
     raw = blocks.reshape(n, -1)
     ref = _gguf_reference(raw, qtype)
     codes = codes_from_gguf(raw, qtype)
@@ -261,8 +264,11 @@ def test_gguf_int8x_blocks_are_taken_exactly(qtype, kind):
     layer = ColumnParallelLinear(k, n, False, torch.float32, config, prefix="w")
     layer.weight_loader(layer.weight, codes)
     layer.quant_method.process_weights_after_loading(layer)
-    assert hasattr(layer, "int8_act_mins") == (qtype != _Q.Q6_K)  # Q6_K's are all 0
+    assert hasattr(layer, "int8_act_mins") == (qtype not in (_Q.Q6_K, _Q.MXFP4))  # all 0
     kept = Int8xWeight(codes.q, codes.scale.half().float(), codes.min.half().float())
+    if qtype == _Q.MXFP4:
+        assert torch.equal(kept.dequantize(), ref)  # powers of two: float16 holds them
+        assert int(codes.q.abs().max()) == 12  # e2m1 doubled: codes in -12..12
     bound = (32 * codes.scale.abs().repeat_interleave(16, dim=1)
              + codes.min.abs().repeat_interleave(32, dim=1)) * 2.0**-11 + 1e-7  # fmt: skip
     assert ((kept.dequantize() - ref).abs() <= bound).all()

@@ -334,3 +334,27 @@ def write_gemma3_gguf(path: Path, hf_model, all_keys: bool = False) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def requantize(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType, suffix: str) -> Path:
+    """A copy of the F32 GGUF `src` (metadata and tensors) with the tensors whose names end in
+    `suffix` quantized to `qtype` by the gguf package, as llama.cpp's quantize tool rewrites
+    a file (e.g. gpt-oss's experts in MXFP4)."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by the writer itself
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith(suffix):
+            writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

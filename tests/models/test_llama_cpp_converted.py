@@ -6,17 +6,21 @@ transformers' token for token; the Q8_0 file runs its experts on their codes by 
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
+import gguf
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.quantization import Int8ActLinearMethod
+from pagedllm.layers.quantization import Int8ActLinearMethod, Int8xWeight
 from pagedllm.model_loader import load_gguf, resolve_model
+from pagedllm.models import get_model_class
 from tests.conftest import runner_of
 from tests.model_loader.llama_cpp_convert import convert
+from tests.model_loader.tiny_gguf import requantize
 from tests.models.test_architectures import checkpoint_state
 
 transformers = pytest.importorskip("transformers")
@@ -104,8 +108,6 @@ def test_f32_file_holds_the_weights_and_gives_transformers_greedy_tokens(convert
         hf.config.num_experts if name == "qwen3_moe" else hf.config.num_local_experts,
         hf.config.num_experts_per_tok,
     )
-    from pagedllm.models import get_model_class
-
     state = checkpoint_state(hf.state_dict(), get_model_class(c.architecture)(c))
     assert set(loaded.weights) == set(state)
     for k, v in state.items():  # llama's q/k rows permuted by the converter, restored
@@ -126,24 +128,18 @@ def test_f32_file_holds_the_weights_and_gives_transformers_greedy_tokens(convert
     assert greedy(llm) == want
 
 
-def test_q8_0_experts_multiply_their_codes_by_default(converted):
-    """The default dtype on CPU: each expert's projections take the file's Q8_0 codes in
-    integers (int8_act), and the output stays close to float32's (teacher-forced: the float
-    path's greedy tokens fed back, the default's log-probabilities of them)."""
-    _, _, _, files = converted
-    llm = LLM(model=str(files["q8_0"]), max_model_len=128, kv_cache_memory="8MiB")
+def expert_methods(llm: LLM) -> list:
     model = runner_of(llm.llm_engine).model
-    experts = [
-        m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "quant_method")
-    ]
-    assert experts and all(isinstance(m.quant_method, Int8ActLinearMethod) for m in experts)
-    exact = LLM(
-        model=str(files["q8_0"]), dtype="float32", max_model_len=128, kv_cache_memory="8MiB"
-    )
-    reference = greedy(exact)
+    return [m.quant_method for n, m in model.named_modules()
+            if ".experts." in n and hasattr(m, "quant_method")]  # fmt: skip
+
+
+def teacher_forced(llm: LLM, exact: LLM) -> tuple[float, float]:
+    """(top-1 agreement, mean |delta logprob|) of `llm` against `exact` (float32) on exact's
+    greedy continuations of PROMPTS, fed back."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     deltas, agree = [], []
-    for prompt, tokens in zip(PROMPTS, reference, strict=True):
+    for prompt, tokens in zip(PROMPTS, greedy(exact), strict=True):
         ids = prompt + tokens
         got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         ref = exact.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
@@ -151,8 +147,65 @@ def test_q8_0_experts_multiply_their_codes_by_default(converted):
             a, b = got.prompt_logprobs[pos][ids[pos]], ref.prompt_logprobs[pos][ids[pos]]
             deltas.append(abs(a.logprob - b.logprob))
             agree.append(a.rank == 1)
-    # Measured: 90% / 0.034 (qwen3_moe), 100% / 0.012 (mixtral) over 72 positions. A random
-    # tiny model's distributions are flat, so near-ties flip; a wrong expert's codes would
-    # leave next to no agreement.
-    assert sum(agree) / len(agree) >= 0.8, agree
-    assert sum(deltas) / len(deltas) < 0.08, deltas
+    return sum(agree) / len(agree), sum(deltas) / len(deltas)
+
+
+def test_q8_0_experts_multiply_their_codes_by_default(converted):
+    """The default dtype on CPU: each expert's projections take the file's Q8_0 codes in
+    integers (int8_act), and the output stays close to float32's (teacher-forced)."""
+    _, _, _, files = converted
+    llm = LLM(model=str(files["q8_0"]), max_model_len=128, kv_cache_memory="8MiB")
+    methods = expert_methods(llm)
+    assert methods and all(isinstance(m, Int8ActLinearMethod) for m in methods)
+    exact = LLM(
+        model=str(files["q8_0"]), dtype="float32", max_model_len=128, kv_cache_memory="8MiB"
+    )
+    # Measured: 100% / 0.012 (qwen3_moe), 90% / 0.034 (mixtral), 93% / 0.011 (gpt_oss) over 72
+    # positions. A random tiny model's distributions are flat, so near-ties flip; a wrong
+    # expert's codes would leave next to no agreement.
+    agreement, delta = teacher_forced(llm, exact)
+    assert agreement >= 0.8 and delta < 0.08, (agreement, delta)
+
+
+@pytest.mark.parametrize("converted", ["gpt_oss"], indirect=True)
+def test_gpt_oss_mxfp4_experts_are_taken_exactly(converted, tmp_path):
+    """gpt-oss's experts in MXFP4 (as OpenAI released them and llama.cpp keeps them): held as
+    int6 codes that are the file's weights exactly, so float32 equals transformers' greedy tokens
+    on the dequantized weights, and the default multiplies the codes in integers."""
+    _, hf, _, files = converted
+    path = requantize(files["f32"], tmp_path / "mxfp4.gguf", gguf.GGMLQuantizationType.MXFP4,
+                      "_exps.weight")  # fmt: skip
+    loaded = load_gguf(path, keep_codes=True, with_tokenizer=False)
+    expert = "model.layers.0.mlp.experts.1.up_proj.weight"
+    codes = loaded.quant_codes[expert]
+    assert isinstance(codes, Int8xWeight) and torch.equal(
+        codes.dequantize(), loaded.weights[expert]
+    )
+    hf_mx = copy.deepcopy(hf)  # transformers on the file's (dequantized) weights
+    with torch.no_grad():
+        for e in range(hf.config.num_local_experts):
+            for layer in range(hf.config.num_hidden_layers):
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                gate, up = (
+                    loaded.weights[p + "gate_proj.weight"],
+                    loaded.weights[p + "up_proj.weight"],
+                )
+                fused = hf_mx.model.layers[layer].mlp.experts
+                fused.gate_up_proj[e, :, 0::2] = gate.T
+                fused.gate_up_proj[e, :, 1::2] = up.T
+                fused.down_proj[e] = loaded.weights[p + "down_proj.weight"].T
+    with torch.inference_mode():
+        want = [
+            hf_mx.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                           min_new_tokens=NEW_TOKENS)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]  # fmt: skip
+    exact = LLM(model=str(path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
+    assert greedy(exact) == want
+    llm = LLM(model=str(path), max_model_len=128, kv_cache_memory="8MiB")
+    methods = expert_methods(llm)
+    assert methods and all(isinstance(m, Int8ActLinearMethod) for m in methods)
+    assert {m.kind for m in methods} == {"int6"}
+    # Measured: 100% / 0.006: the weights are the file's, only the activations are rounded.
+    agreement, delta = teacher_forced(llm, exact)
+    assert agreement >= 0.8 and delta < 0.08, (agreement, delta)

@@ -14,6 +14,9 @@ and as int8x codes (q, a scale per 16 columns, a min per 32), which only the int
         (super-blocks of 256 = 16 sub-blocks of 16, each with an int8 sc_j)
   Q5_K: w = d sc_j q - dmin m_j  -> int8x codes q (in 0..31), scale = d sc_j, min = -dmin m_j
   Q5_1: w = d * q + m            -> int8x codes q (in 0..31), scale = d, min = m
+  MXFP4: w = d * e2m1(q)         -> int8x codes 2 e2m1(q) (0, +-1, +-2, +-3, +-4, +-6, +-8,
+        +-12), scale = d / 2 = 2^(e - 128) (gpt-oss's experts: a power of two per 32, float16
+        holds it exactly from 2^-24 to 2^15, which takes any weight above 4e-7), min = 0
 d, m, dmin are float16, which the layers keep: Q4_0, Q4_1 and Q8_0 are exact, and q * scale is
 exact in float32, so one rounding of q * scale + min gives gguf's own dequantized weights bit
 for bit (Q5_0 and Q5_1 too). The K-quants' d sc_j and dmin m_j can need more than float16's 11
@@ -36,7 +39,7 @@ _T = gguf.GGMLQuantizationType
 _KINDS = {
     **dict.fromkeys((_T.Q4_0, _T.Q4_1, _T.Q4_K), Int4Weight),
     **dict.fromkeys((_T.Q8_0, _T.Q5_0), Int8Weight),
-    **dict.fromkeys((_T.Q6_K, _T.Q5_K, _T.Q5_1), Int8xWeight),
+    **dict.fromkeys((_T.Q6_K, _T.Q5_K, _T.Q5_1, _T.MXFP4), Int8xWeight),
 }
 assert set(_KINDS) == set(CODE_TYPES), "a code type without its kind, or the other way"
 
@@ -121,9 +124,13 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
 
 
 def _int8x(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q6_K / Q5_K / Q5_1 blocks -> codes [blocks, block size], scales (one per 16 codes) and mins
+    """Q6_K / Q5_K / Q5_1 / MXFP4 blocks -> codes [blocks, block size], scales (one per 16 codes) and mins
     (one per 32), float32, each in the codes' order (gguf.quants' dequantize_blocks read alike)."""
     n = blocks.shape[0]
+    if ggml_type == _T.MXFP4:  # e (E8M0), then 16 bytes of e2m1 nibbles
+        values = np.array(gguf.quants.MXFP4.kvalues, np.int8)  # e2m1, doubled
+        scale = gguf.quants.MXFP4.e8m0_to_fp32_half(blocks[:, 0].astype(np.uint32))
+        return values[_nibbles(blocks[:, 1:], 16)], np.repeat(scale, 2), np.zeros(n, np.float32)
     if ggml_type == _T.Q5_1:  # d, m, then the 5-bit codes
         return _five_bit(blocks, 4), np.repeat(_f16(blocks, 0), 2), _f16(blocks, 2)
     if ggml_type == _T.Q5_K:  # d, dmin, 12 bytes of 6-bit (sc, m), 32 of fifth bits, 128 of nibbles

@@ -24,7 +24,7 @@ from pagedllm.models.registry import architecture_from_gguf
 
 _T = gguf.GGMLQuantizationType
 # The block types whose codes the layers take as they are (gguf_codes.py makes them).
-CODE_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q8_0, _T.Q5_0, _T.Q6_K, _T.Q5_K, _T.Q5_1)
+CODE_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q8_0, _T.Q5_0, _T.Q6_K, _T.Q5_K, _T.Q5_1, _T.MXFP4)
 
 
 # What reading a truncated or corrupt file raises from inside gguf / numpy / struct.
