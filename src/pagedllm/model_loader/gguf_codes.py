@@ -124,8 +124,9 @@ def codes_from_gguf(data: np.ndarray, ggml_type) -> QuantWeight | None:
 
 
 def _int8x(blocks: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q6_K / Q5_K / Q5_1 / MXFP4 blocks -> codes [blocks, block size], scales (one per 16 codes) and mins
-    (one per 32), float32, each in the codes' order (gguf.quants' dequantize_blocks read alike)."""
+    """Q6_K / Q5_K / Q5_1 / MXFP4 blocks -> codes [blocks, block size], scales (one per 16
+    codes) and mins (one per 32), float32, each in the codes' order (gguf.quants'
+    dequantize_blocks read alike)."""
     n = blocks.shape[0]
     if ggml_type == _T.MXFP4:  # e (E8M0), then 16 bytes of e2m1 nibbles
         values = np.array(gguf.quants.MXFP4.kvalues, np.int8)  # e2m1, doubled
