@@ -6,7 +6,7 @@ import pytest
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.entrypoints.cli import main
-from pagedllm.kv_calc import kv_memory_report
+from pagedllm.kv_calc import format_report, kv_memory_report
 
 
 def test_opt_13b_needs_800_kb_per_token_and_1_6_gb_for_2048_tokens(capsys):
@@ -62,3 +62,23 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "--num-kv-heads" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dtype"):
         kv_memory_report(ModelArchConfig("x", 1, 1, 1, 1, 1, 1, 1), dtype="int3")
+
+
+def test_a_hybrid_models_state_is_counted_per_sequence_and_its_mamba_layers_hold_no_kv():
+    from pagedllm.model_loader.hf_config import config_from_hf
+
+    cfg = {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "layer_types": ["mamba", "attention", "mamba", "mamba"],
+        "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2,
+    }  # fmt: skip
+    config = config_from_hf(cfg)
+    r = kv_memory_report(config, max_model_len=1024, kv_cache_memory="1GiB", dtype="float32")
+    assert r.bytes_per_token_full == 2 * 2 * 16 * 4  # the one attention layer's K and V
+    # 3 layers x (conv: (128 + 2 x 16) channels x 3 inputs x 4 bytes + h: 8 x 16 x 16 x 4)
+    assert r.state_bytes == 3 * (160 * 3 * 4 + 8 * 16 * 16 * 4)
+    assert r.num_requests == 2**30 // (r.request_bytes_paged + r.state_bytes)
+    text = format_report(r)
+    assert "(3 Mamba-2)" in text and "Mamba state per sequence (3 layers, any length)" in text

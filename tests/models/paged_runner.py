@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import head_shard
+from pagedllm.layers.mamba2 import MambaState
 
 
 @dataclass
@@ -32,14 +33,22 @@ class PagedRunner:
         c = model.config
         self.model, self.block_size, self.fused = model, block_size, fused
         shape = (num_blocks, block_size, head_shard(c).num_kv_heads, c.head_dim)
-        # NaN-filled: reading a slot nobody wrote turns the logits into NaN.
+        # NaN-filled: reading a slot nobody wrote turns the logits into NaN. A Mamba layer's
+        # "cache" is its state pool, a slot per request (NaN too: a fresh one is zeroed).
+        conv, ssm = c.mamba_state_shapes
         self.kv_caches = [
-            (
+            MambaState(
+                torch.full((8, *conv), float("nan"), dtype=model.dtype),
+                torch.full((8, *ssm), float("nan")),
+            )
+            if c.is_mamba_layer(i)
+            else (
                 torch.full(shape, float("nan"), dtype=model.dtype),
                 torch.full(shape, float("nan"), dtype=model.dtype),
             )
-            for _ in range(c.num_hidden_layers)
+            for i in range(c.num_hidden_layers)
         ]
+        self.state_slots: dict[int, int] = {}  # id(Req) -> its slot
         g = torch.Generator().manual_seed(seed)
         self.free_blocks = torch.randperm(num_blocks, generator=g).tolist()
 
@@ -90,6 +99,9 @@ class PagedRunner:
         meta = AttentionMetadata.build(
             bs, slot_mapping, [r.block_table for r, _ in sched], [n for _, n in sched], seq_lens
         )
+        meta.state_slots = [
+            self.state_slots.setdefault(id(r), 7 - len(self.state_slots)) for r, _ in sched
+        ]
         input_ids, positions = torch.tensor(input_ids), torch.tensor(positions)
         with torch.inference_mode():
             if self.fused is not None and self.fused.applies(len(input_ids), meta):

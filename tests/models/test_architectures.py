@@ -80,6 +80,38 @@ ARCHS = {
         dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=48, mlp_only_layers=[0]),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    # Hybrid: a Mamba-2 layer (2 groups of 4 heads) before an attention layer without RoPE,
+    # Granite's multipliers; and the same with RoPE.
+    "granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_local_experts=0,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            shared_intermediate_size=96,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=3.0,
+        ),  # fmt: skip
+    ),
+    "granite_hybrid_rope": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_local_experts=0,
+            layer_types=["attention", "mamba"],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=8,
+            shared_intermediate_size=64,
+            position_embedding_type="rope",
+        ),  # fmt: skip
+    ),
     # Sinks, biases, alternating sliding / full layers, YaRN with a small original context.
     "gpt_oss": (
         "GptOssConfig",
@@ -162,7 +194,8 @@ def load(name: str, source: str, tmp_path):
 
 # Not qwen2_sliding from GGUF: llama.cpp's converter stores no Qwen2 sliding window (nor layer
 # types), so such a file holds a full-attention model; nor a dense layer among experts.
-HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer", "gpt_oss")
+HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer", "gpt_oss", "granite_hybrid",
+           "granite_hybrid_rope")  # fmt: skip
 CASES = [
     (n, s) for n in sorted(ARCHS) for s in ("hf_dir", "gguf") if (s, n in HF_ONLY) != ("gguf", True)
 ]

@@ -36,6 +36,8 @@ class AttentionMetadata:
     # but for block_tables and slot_mapping) and each layer's group.
     groups: list[AttentionMetadata] | None = None
     layer_group: list[int] | None = None
+    # Hybrid models: each request's slot in the Mamba layers' state pools (layers/mamba2.py).
+    state_slots: list[int] | None = None
 
     def for_layer(self, layer_idx: int) -> AttentionMetadata:
         return self if self.groups is None else self.groups[self.layer_group[layer_idx]]
@@ -51,6 +53,12 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+    @property
+    def fresh(self) -> list[bool]:
+        """Per request: nothing computed before this step (a recurrent state starts at zero)."""
+        qsl = self.query_start_loc_cpu
+        return [n == qsl[i + 1] - qsl[i] for i, n in enumerate(self.seq_lens_cpu)]
 
     @classmethod
     def build(

@@ -138,12 +138,17 @@ class EngineConfig:
         args.validate()
         if arch.is_encoder:
             _check_encoder(args)
+        hybrid = arch.num_mamba_layers > 0
+        if hybrid:
+            _check_hybrid(args)
         max_model_len = _max_model_len(args.max_model_len, arch.max_position_embeddings)
         budget = args.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         # An encoder's prompt runs whole in one step: no chunks, no cached prefix (its
         # attention reads this step's tokens only).
         chunked_prefill = args.enable_chunked_prefill and not arch.is_encoder
-        prefix_caching = args.enable_prefix_caching and not arch.is_encoder
+        # A hybrid model's cached prefix would need its recurrent state at the prefix's end,
+        # which is not kept yet: no prefix caching, and preemption recomputes.
+        prefix_caching = args.enable_prefix_caching and not arch.is_encoder and not hybrid
         if not chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
@@ -158,7 +163,8 @@ class EngineConfig:
             kv_cache_memory = (budget + args.max_num_seqs * args.block_size) * per_token
         if kv_cache_memory is None and device == "cpu":
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        swap = int(args.swap_space * 2**30) if args.preemption_mode == "swap" else 0
+        preemption_mode = "recompute" if hybrid else args.preemption_mode
+        swap = int(args.swap_space * 2**30) if preemption_mode == "swap" else 0
         integer = _integer_products(args, arch, device)
         dtype = auto_dtype if args.dtype == "auto" else _DTYPE_NAMES.get(args.dtype, args.dtype)
         if integer:  # the activations between the integer products: float32 (docs/numerics.md)
@@ -195,7 +201,7 @@ class EngineConfig:
                 budget,
                 max_model_len,
                 chunked_prefill,
-                args.preemption_mode,
+                preemption_mode,
                 args.max_loras if args.enable_lora else 0,
                 args.scheduling_policy,
             ),  # fmt: skip
@@ -254,6 +260,20 @@ def _check_encoder(args: EngineArgs) -> None:
     for what, asked in refused.items():
         if asked:
             raise ValueError(f"encoder models (BERT) run on one rank with paged blocks: {what}")
+
+
+def _check_hybrid(args: EngineArgs) -> None:
+    """What a hybrid model (Mamba-2 layers: a recurrent state per sequence) cannot do yet:
+    drafts that may be rejected (the state cannot step back), and its layers on several ranks.
+    n > 1 and beam search are refused per request (InputProcessor)."""
+    refused = {
+        "--speculative-config": args.speculative_config is not None,
+        "--tensor-parallel-size > 1": args.tensor_parallel_size > 1,
+        f"--kv-allocation {args.kv_allocation}": args.kv_allocation != "paged",
+    }
+    for what, asked in refused.items():
+        if asked:
+            raise ValueError(f"hybrid models (Mamba-2 layers) do not support {what} yet")
 
 
 def _lora(args: EngineArgs) -> LoRAConfig | None:

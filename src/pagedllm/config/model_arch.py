@@ -79,6 +79,45 @@ class ModelArchConfig:
     swiglu_alpha: float = 1.702
     # Each head's attention sink (gpt-oss): a learned logit in the softmax's sum with no value.
     attention_sinks: bool = False
+    # False: attention without positions (Granite 4.0-H: its Mamba-2 layers carry the order).
+    use_rope: bool = True
+    # Hybrid models (Granite 4.0-H): layer_types[i] == "mamba" makes layer i a Mamba-2 mixer,
+    # which keeps a fixed-size recurrent state per sequence instead of K/V (layers/mamba2.py).
+    mamba_expand: int = 2
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def is_mamba_layer(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] == "mamba"
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return sum(self.is_mamba_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def mamba_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv, ssm) shapes of one sequence's state in one Mamba layer: the convolution's
+        last d_conv - 1 inputs [conv_dim, d_conv - 1], and h [heads, head_dim, d_state]."""
+        conv_dim = (
+            self.mamba_expand * self.hidden_size + 2 * self.mamba_n_groups * self.mamba_d_state
+        )
+        return (conv_dim, self.mamba_d_conv - 1), (
+            self.mamba_n_heads,
+            self.mamba_d_head,
+            self.mamba_d_state,
+        )
+
+    def mamba_state_bytes(self, dtype_bytes: int) -> int:
+        """One sequence's state over all Mamba layers: the conv inputs of dtype_bytes each, h in
+        float32."""
+        (c, k), (h, p, n) = self.mamba_state_shapes
+        return self.num_mamba_layers * (c * k * dtype_bytes + h * p * n * 4)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s MLP is a mixture of experts (Qwen3-MoE's rule)."""
@@ -89,7 +128,7 @@ class ModelArchConfig:
         )
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
-        """The window of layer `layer_idx`, or None for a full-attention layer."""
+        """The window of layer `layer_idx`, or None for a full-attention (or Mamba) layer."""
         if self.sliding_window is None:
             return None
         if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":

@@ -50,6 +50,8 @@ class StepInputs:
     # Embedding requests: the rows whose hidden states rank 0 pools (not sent: the other ranks
     # have nothing to do with them)
     pooling_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [H]
+    # Hybrid models: each request's state slot (not sent: Mamba layers run on one rank)
+    state_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # [R] or [0]
 
 
 def pairs(moves) -> np.ndarray:

@@ -135,6 +135,42 @@ def _arch_options(arch: str, cfg: dict) -> dict:
     return {}
 
 
+def _granite_hybrid_fields(cfg: dict) -> dict:
+    """Granite 4.0-H: Mamba-2 layers ("linear_attention" / "mamba") among attention layers,
+    usually without RoPE, Granite's multipliers, and a dense (shared) MLP."""
+    if cfg.get("num_local_experts"):
+        raise ValueError("Granite 4.0-H with experts (num_local_experts > 0) is not supported yet")
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if not kinds or len(kinds) != cfg["num_hidden_layers"]:
+        raise ValueError("a hybrid config needs layer_types, one per layer")
+    names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
+             "full_attention": "full_attention"}  # fmt: skip
+    unknown = sorted({k for k in kinds if k not in names})
+    if unknown:
+        raise ValueError(f"layer types {unknown} (only mamba and attention)")
+    # transformers writes infinity as {"__float__": "Infinity"}
+    limit = [v["__float__"] if isinstance(v, dict) else v
+             for v in cfg.get("time_step_limit") or (0.0, float("inf"))]  # fmt: skip
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+        "use_rope": cfg.get("position_embedding_type") == "rope",
+        "layer_types": [names[k] for k in kinds],
+        "intermediate_size": int(cfg.get("shared_intermediate_size") or cfg["intermediate_size"]),
+        "mamba_expand": int(cfg.get("mamba_expand", 2)),
+        "mamba_n_heads": int(cfg["mamba_n_heads"]),
+        "mamba_d_head": int(cfg["mamba_d_head"]),
+        "mamba_n_groups": int(cfg.get("mamba_n_groups", 1)),
+        "mamba_d_state": int(cfg["mamba_d_state"]),
+        "mamba_d_conv": int(cfg.get("mamba_d_conv", 4)),
+        "mamba_conv_bias": bool(cfg.get("mamba_conv_bias", True)),
+        "mamba_proj_bias": bool(cfg.get("mamba_proj_bias", False)),
+        "mamba_time_step_limit": (float(limit[0]), float(limit[1])),
+    }
+
+
 def _moe_fields(cfg: dict, expert_size) -> dict:
     """The mixture-of-experts fields (Qwen3-MoE's names; transformers 5 saves num_experts as
     num_local_experts, Mixtral's name)."""
@@ -214,7 +250,11 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
     sliding_window, layer_types = _sliding_window(arch, cfg)
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    extra = _gemma3_fields(cfg) if arch == "Gemma3ForCausalLM" else {}
+    extra = {}  # fields that replace the generic ones
+    if arch == "Gemma3ForCausalLM":
+        extra = _gemma3_fields(cfg)
+    elif arch == "GraniteMoeHybridForCausalLM":
+        extra = _granite_hybrid_fields(cfg)
     fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],

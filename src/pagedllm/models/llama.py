@@ -3,8 +3,9 @@
 One implementation serves Llama and its close relatives, switched by ModelArchConfig options:
 Mistral (sliding window), Qwen2/2.5 (q/k/v bias, optional sliding layers), Qwen3 (per-head q/k
 RMSNorm before RoPE), Granite (embedding/residual/attention/logits multipliers), Phi-3 (partial
-rotary, sliding window), and Qwen3-MoE and Mixtral (a mixture of experts for the MLP:
-layers/moe.py). The registry maps each HF architecture name to this class.
+rotary, sliding window), Qwen3-MoE, Mixtral and gpt-oss (a mixture of experts for the MLP:
+layers/moe.py), and Granite 4.0-H (Mamba-2 layers among the attention layers:
+layers/mamba2.py). The registry maps each HF architecture name to this class.
 
 q/k/v and gate/up projections are one matmul each (qkv_proj, gate_up_proj: the checkpoint's
 separate tensors are their parts, packed_modules_mapping; Phi-3's checkpoints store them fused
@@ -27,6 +28,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.mamba2 import MambaMixer2
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.quantization import QuantizationConfig, QuantWeight
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -63,7 +65,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = rotary_emb if config.use_rope else None  # Granite 4.0-H: none
         scale = config.attention_multiplier
         heads = self.qkv_proj.head_shard  # this rank's
         self.attn = Attention(
@@ -93,7 +95,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # per head: [T, heads * d] viewed as [T, heads, d]
             q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
-        q, k = self.rotary_emb.apply(q, k, cos_sin)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb.apply(q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sinks=self.sinks))
 
 
@@ -132,9 +135,12 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(
-            config, layer_idx, rotary_emb, backend, dtype, quant_config, f"{prefix}.self_attn"
-        )
+        if config.is_mamba_layer(layer_idx):  # a hybrid model's recurrent layer
+            self.mamba = MambaMixer2(config, dtype, quant_config, f"{prefix}.mamba")
+        else:
+            self.self_attn = LlamaAttention(
+                config, layer_idx, rotary_emb, backend, dtype, quant_config, f"{prefix}.self_attn"
+            )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         mlp = SparseMoeBlock if config.is_moe_layer(layer_idx) else LlamaMLP
         self.mlp = mlp(config, dtype, quant_config, f"{prefix}.mlp")
@@ -147,7 +153,11 @@ class LlamaDecoderLayer(nn.Module):
             residual, normed = hidden_states, self.input_layernorm(hidden_states)
         else:
             normed, residual = self.input_layernorm(self._scale(hidden_states), residual)
-        h = self.self_attn(cos_sin, normed, kv_cache, attn_metadata)
+        if hasattr(self, "mamba"):  # its kv_cache is its state pool
+            meta = attn_metadata
+            h = self.mamba(normed, kv_cache, meta.state_slots, meta.query_start_loc_cpu, meta.fresh)
+        else:
+            h = self.self_attn(cos_sin, normed, kv_cache, attn_metadata)
         normed, residual = self.post_attention_layernorm(self._scale(h), residual)
         return self.mlp(normed), residual
 
@@ -215,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
     weight_renames = (
         (r"\.block_sparse_moe\.", ".mlp."),
         (r"\.mlp\.router\.", ".mlp.gate."),  # gpt-oss's router
+        (r"\.shared_mlp\.input_linear\.", ".mlp.gate_up_proj."),  # Granite 4.0-H's MLP
+        (r"\.shared_mlp\.output_linear\.", ".mlp.down_proj."),
         (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
         (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
         (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
@@ -277,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
             raise NotFusable(f"{type(self.model).__name__} layers")
         if self.config.num_experts:
             raise NotFusable("mixture-of-experts layers")
+        if self.config.num_mamba_layers:
+            raise NotFusable("Mamba-2 layers")
         return FusedDecoder(self.model, self.config)
 
     def forward(

@@ -13,6 +13,7 @@ import importlib
 _MODELS: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("llama", "LlamaForCausalLM"),
     "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("llama", "LlamaForCausalLM"),  # Mamba-2 layers among them
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),

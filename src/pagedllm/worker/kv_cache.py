@@ -56,7 +56,11 @@ class KVCache:
         self.pool = alloc(shape, dtype=pool_dtype, device=device)
         slots = spec.layer_slots()
         typed = self.pool.view(dtype)
-        self.layers = [(typed[slots[i][1], 0], typed[slots[i][1], 1]) for i in range(num_layers)]
+        # None for a layer without K/V (a Mamba layer: its state is the runner's StatePool's)
+        self.layers = [
+            (typed[slots[i][1], 0], typed[slots[i][1], 1]) if i in slots else None
+            for i in range(num_layers)
+        ]
         self.swap_pool = None
         if num_cpu_blocks:
             # Pinned when the cache is on a GPU, so that copies are DMA; on CPU it is separate

@@ -27,6 +27,7 @@ from pagedllm.sequence import Sequence
 from pagedllm.spec_decode import Proposer
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 from pagedllm.worker.lora_manager import LoRAManager
+from pagedllm.worker.state_pool import StatePool
 
 
 class ModelRunner:
@@ -56,21 +57,29 @@ class ModelRunner:
         self.lora = lora  # the model's LoRA slots (--enable-lora)
         self.fused = fused  # the decoder as one C++ call, for the steps it applies to (CPU)
         self.kv_cache: KVCache | None = None
+        self.state_pool: StatePool | None = None  # a hybrid model's Mamba states
         # Block copies (copy-on-write, swap) run on the attention backend's kernels.
         self._copy_blocks = get_attention_backend(attention_backend, device).copy_blocks
 
     def forget_requests(self) -> None:
         """Drop every request's state (another engine takes this runner over)."""
         self.step_sampler.forget_all()
+        if self.state_pool is not None:
+            self.state_pool.release_all()
         if self.proposer is not None:
             self.proposer.reset()
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.kv_cache = None  # the old pool goes before the new one is allocated
+    def initialize_kv_cache(
+        self, num_blocks: int, num_cpu_blocks: int = 0, num_state_slots: int = 0
+    ) -> None:
+        """The KV pool, and for a hybrid model `num_state_slots` slots of Mamba state."""
+        self.kv_cache = self.state_pool = None  # the old pools go before the new ones
         self.kv_cache = KVCache(
             self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, num_cpu_blocks,
             self.cache_dtype, self.device, self._copy_blocks,
         )  # fmt: skip
+        if self.config.num_mamba_layers:
+            self.state_pool = StatePool(self.config, num_state_slots, self.model.dtype, self.device)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
@@ -85,7 +94,12 @@ class ModelRunner:
         meta = self._attention_metadata(tables, positions, np.zeros(num_tokens, np.int64),
                                         [num_tokens], [num_tokens])  # fmt: skip
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        hidden = self._forward(input_ids, torch.arange(num_tokens, device=dev), cache.layers, meta)
+        layers = cache.layers
+        if self.config.num_mamba_layers:  # one throw-away slot of state
+            states = StatePool(self.config, 1, self.model.dtype, dev)
+            meta.state_slots = [0]
+            layers = [states.layers.get(i, c) for i, c in enumerate(layers)]
+        hidden = self._forward(input_ids, torch.arange(num_tokens, device=dev), layers, meta)
         self.model.compute_logits(hidden[: min(num_logits, num_tokens)])
 
     # -- one step ---------------------------------------------------------------------------
@@ -104,6 +118,8 @@ class ModelRunner:
         self.step_sampler.forget(so.finished_request_ids)
         if self.proposer is not None and so.finished_request_ids:
             self.proposer.finish(so.finished_request_ids)
+        if self.state_pool is not None:  # a preempted sequence recomputes from a fresh slot
+            self.state_pool.release([*so.finished_request_ids, *so.preempted_request_ids])
         step = StepInputs(
             pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in), pairs(so.blocks_to_copy)
         )
@@ -158,6 +174,9 @@ class ModelRunner:
         )  # fmt: skip
         if self.lora is not None:
             self._plan_lora(reqs, num_scheduled, step)
+        if self.state_pool is not None:
+            ids = [r.seq_id for r in reqs]
+            step.state_slots = np.array(self.state_pool.slots(ids, num_computed.tolist()))
         return step, plan
 
     def _plan_lora(self, reqs: list[Sequence], num_scheduled: np.ndarray, step: StepInputs):
@@ -229,8 +248,12 @@ class ModelRunner:
             for slot, lora_request in step.lora_loads:
                 self.lora.load(slot, lora_request)
             self.lora.set_mapping(step.lora_slots)
+        layers = kv.layers
+        if self.state_pool is not None:  # a Mamba layer's "cache" is its state pool
+            meta.state_slots = step.state_slots.tolist()
+            layers = [self.state_pool.layers.get(i, c) for i, c in enumerate(layers)]
         try:
-            hidden = self._forward(input_ids, positions, kv.layers, meta)
+            hidden = self._forward(input_ids, positions, layers, meta)
         finally:
             if self.lora is not None:
                 self.lora.set_mapping(None)
@@ -284,7 +307,7 @@ class ModelRunner:
         if len(metas) == 1:
             return metas[0]
         layer_slots = self.kv_cache_spec.layer_slots()
-        layer_group = [layer_slots[i][0] for i in range(self.config.num_hidden_layers)]
+        layer_group = [layer_slots.get(i, (0,))[0] for i in range(self.config.num_hidden_layers)]
         return dataclasses.replace(metas[0], groups=metas, layer_group=layer_group)
 
     # -- rank 0: from logits to tokens --------------------------------------------------------

@@ -181,6 +181,16 @@ class Worker:
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.model_runner.kv_cache_spec
 
+    @property
+    def state_bytes(self) -> int:
+        """A hybrid model's Mamba state, a slot per sequence the scheduler may run: taken from
+        the KV cache's memory budget first."""
+        config = self.model_runner.config
+        if not config.num_mamba_layers:
+            return 0
+        _, sched = self._cache_configs
+        return sched.max_num_seqs * config.mamba_state_bytes(self.model_runner.model.dtype.itemsize)
+
     def num_kv_blocks(self) -> int:
         """Blocks of this rank's pool: the memory budget (profiled on a GPU) or the override;
         a ValueError if it cannot hold one request of max_model_len at its peak."""
@@ -194,9 +204,8 @@ class Worker:
             num_blocks = cache.num_gpu_blocks_override
         else:
             budget = cache.kv_cache_memory
-            num_blocks = (self._profile_cuda_kv_budget() if budget is None else budget) // (
-                bytes_per_block
-            )
+            budget = self._profile_cuda_kv_budget() if budget is None else budget
+            num_blocks = max(0, budget - self.state_bytes) // bytes_per_block
         # A request's blocks while decoding, and at its peak (a prefill chunk on top of a
         # sliding window): the pool must hold one request at its peak.
         max_len = sched.max_model_len
@@ -210,11 +219,18 @@ class Worker:
             stored, spec.describe(), max_len, blocks_per_request,
             blocks_per_request * bytes_per_block / 2**20, num_blocks / blocks_per_request,
         )  # fmt: skip
+        if self.state_bytes:
+            logger.info(
+                "Mamba state: %d slots (max_num_seqs) x %d layers, %.1f MiB of the KV cache's "
+                "memory", sched.max_num_seqs, self.model_runner.config.num_mamba_layers,
+                self.state_bytes / 2**20,
+            )  # fmt: skip
         if num_blocks < peak:
             raise_to = (
                 f"--num-gpu-blocks-override to at least {peak}"
                 if cache.num_gpu_blocks_override is not None
-                else f"--kv-cache-memory to at least {-(-peak * bytes_per_block // 2**20)}MiB"
+                else "--kv-cache-memory to at least "
+                f"{-(-(peak * bytes_per_block + self.state_bytes) // 2**20)}MiB"
             )
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks, less than one request of max_model_len "
@@ -240,7 +256,8 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
-        self.model_runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+        _, sched = self._cache_configs
+        self.model_runner.initialize_kv_cache(num_blocks, num_cpu_blocks, sched.max_num_seqs)
         if isinstance(self.model_runner.proposer, DraftModelProposer):
             self.model_runner.proposer.initialize_kv_cache(num_blocks)
 

@@ -1,0 +1,164 @@
+"""A Mamba-2 mixer (Granite 4.0-H's recurrent layers) over flattened tokens, each sequence's
+recurrent state in a slot of a state pool instead of a paged KV cache.
+
+Per sequence, a Mamba-2 layer keeps a fixed-size state whatever its length: the last
+`conv_kernel - 1` inputs of its causal depthwise convolution, and the SSM state h [heads,
+head_dim, state_size]. For each token t (x_t its heads' inputs, B_t / C_t its group's input and
+output projections, dt_t > 0 per head):
+
+    h = exp(dt_t * A) * h + dt_t * x_t (outer) B_t        y_t = h . C_t + D * x_t
+
+then y is gated by silu(z) and normalised per group (RMSNormGated), as transformers' Mamba-2
+layers compute it. A sequence's first step starts from zero state; a later step (the next chunk
+of its prompt, a decode step) from its slot, which every step updates in place.
+
+Decode rows (one token of a sequence) are updated together; a prompt chunk is scanned token by
+token in float32, the plain reference a chunked scan kernel is to be checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.distributed import tp_group
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import QuantizationConfig
+
+
+@dataclass
+class MambaState:
+    """One layer's state pool: conv [slots, conv_dim, kernel - 1] (the model's dtype) and ssm
+    [slots, heads, head_dim, state_size] (float32)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+class _Conv1d(nn.Module):
+    """The depthwise convolution's parameters, named as nn.Conv1d's ([channels, 1, kernel])."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(channels, dtype=dtype), False) if bias else None
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z) over groups of `group_size` channels, in float32."""
+
+    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), False)
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float() * F.silu(z.float())
+        groups = y.view(*y.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.view(y.shape).to(dtype)
+
+
+class MambaMixer2(nn.Module):
+    """Checkpoint names as transformers' (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
+
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ):
+        super().__init__()
+        if tp_group().size > 1:
+            raise ValueError("tensor parallelism over Mamba-2 layers is not supported yet")
+        hidden, bias = config.hidden_size, config.mamba_proj_bias
+        self.num_heads, self.head_dim = config.mamba_n_heads, config.mamba_d_head
+        self.n_groups, self.state_size = config.mamba_n_groups, config.mamba_d_state
+        self.inner = config.mamba_expand * hidden
+        if self.num_heads * self.head_dim != self.inner:
+            raise ValueError(
+                f"mamba_n_heads {self.num_heads} x mamba_d_head {self.head_dim} must equal "
+                f"mamba_expand x hidden_size ({self.inner})"
+            )
+        self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
+        self.kernel = config.mamba_d_conv
+        self.time_step_limit = config.mamba_time_step_limit
+        self.in_proj = ColumnParallelLinear(
+            hidden, self.inner + self.conv_dim + self.num_heads, bias, dtype, quant_config,
+            f"{prefix}.in_proj",
+        )  # fmt: skip
+        self.conv1d = _Conv1d(self.conv_dim, self.kernel, config.mamba_conv_bias, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
+        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
+        self.norm = GatedRMSNorm(
+            self.inner, self.inner // self.n_groups, config.rms_norm_eps, dtype
+        )
+        self.out_proj = RowParallelLinear(
+            self.inner, hidden, bias, dtype, quant_config, f"{prefix}.out_proj"
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        state: MambaState,
+        slots: list[int],
+        query_start_loc: list[int],
+        fresh: list[bool],
+    ) -> torch.Tensor:
+        """hidden_states [T, hidden]: the step's tokens, sequence after sequence (sequence i's
+        rows query_start_loc[i]..[i + 1], its state in slot slots[i], which starts from zero
+        where fresh[i])."""
+        proj = self.in_proj(hidden_states)
+        z, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        for i, slot in enumerate(slots):
+            if fresh[i]:
+                state.conv[slot].zero_()
+                state.ssm[slot].zero_()
+        xbc = self._conv(xbc, state, slots, query_start_loc)
+        x, b, c = xbc.split(
+            [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1
+        )
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        lo, hi = self.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(lo, hi)
+        y = self._scan(x, b, c, dt, state, slots, query_start_loc)
+        return self.out_proj(self.norm(y.to(hidden_states.dtype), z))
+
+    def _conv(self, xbc, state: MambaState, slots, query_start_loc) -> torch.Tensor:
+        """silu(causal depthwise conv1d), each sequence continuing from its conv state, which is
+        left holding its last kernel - 1 inputs."""
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        out = torch.empty_like(xbc)
+        for i, slot in enumerate(slots):
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            seq = torch.cat([state.conv[slot], xbc[start:end].T.to(state.conv.dtype)], dim=1)
+            y = F.conv1d(seq[None].to(weight.dtype), weight, bias, groups=self.conv_dim)[0]
+            out[start:end] = F.silu(y).T.to(out.dtype)
+            state.conv[slot].copy_(seq[:, seq.shape[1] - (self.kernel - 1) :])
+        return out
+
+    def _scan(self, x, b, c, dt, state: MambaState, slots, query_start_loc) -> torch.Tensor:
+        """The selective scan in float32, token by token; y [T, inner]."""
+        heads, group = self.num_heads, self.num_heads // self.n_groups
+        x = x.float().view(-1, heads, self.head_dim)
+        b = b.float().view(-1, self.n_groups, self.state_size).repeat_interleave(group, dim=1)
+        c = c.float().view(-1, self.n_groups, self.state_size).repeat_interleave(group, dim=1)
+        a = -torch.exp(self.A_log.float())
+        d = self.D.float()[:, None]
+        y = torch.empty_like(x)
+        for i, slot in enumerate(slots):
+            h = state.ssm[slot]
+            for t in range(query_start_loc[i], query_start_loc[i + 1]):
+                decay = torch.exp(dt[t] * a)[:, None, None]  # [heads, 1, 1]
+                h = h * decay + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
+                y[t] = (h * c[t][:, None, :]).sum(-1) + d * x[t]
+            state.ssm[slot].copy_(h)
+        return y.view(-1, self.inner)

@@ -1,0 +1,60 @@
+"""A hybrid model's recurrent state in memory: for each Mamba layer, a pool of state slots
+(layers/mamba2.py's MambaState), one slot per running sequence, assigned by the runner as
+sequences arrive and freed as they finish or are preempted (a preempted sequence recomputes
+its prompt from a fresh slot). max_num_seqs slots: the scheduler never runs more sequences."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.layers.mamba2 import MambaState
+
+
+class StatePool:
+    def __init__(
+        self, config: ModelArchConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        conv, ssm = config.mamba_state_shapes
+        self.layers = {
+            i: MambaState(
+                torch.zeros((num_slots, *conv), dtype=dtype, device=device),
+                torch.zeros((num_slots, *ssm), dtype=torch.float32, device=device),
+            )
+            for i in range(config.num_hidden_layers)
+            if config.is_mamba_layer(i)
+        }
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+
+    def slots(self, seq_ids: list[str], num_computed: list[int]) -> list[int]:
+        """Each sequence's slot, a free one for a sequence new to the pool. A sequence with
+        tokens computed before it had a slot (a prefix-cache hit, a forked sample) has no state
+        to resume: the engine never schedules one for a hybrid model (RuntimeError)."""
+        out = []
+        for seq_id, computed in zip(seq_ids, num_computed, strict=True):
+            slot = self._slot_of.get(seq_id)
+            if slot is None:
+                if computed:
+                    raise RuntimeError(
+                        f"sequence {seq_id} resumes at {computed} tokens without state"
+                    )
+                if not self._free:
+                    raise RuntimeError(f"no free state slot of {self.num_slots} for {seq_id}")
+                slot = self._slot_of[seq_id] = self._free.pop()
+            out.append(slot)
+        return out
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            slot = self._slot_of.pop(seq_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def release_all(self) -> None:
+        self.release(list(self._slot_of))
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slot_of)

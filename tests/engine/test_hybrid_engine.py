@@ -1,0 +1,95 @@
+"""A hybrid model (a tiny random Granite 4.0-H: Mamba-2 layers among attention layers, float32)
+through the engine, transformers as the oracle: each sequence's recurrent state in a slot of
+the state pool, carried across prompt chunks and decode steps, alone and batched, with block
+sizes 1 / 16 / 32, and after preemption (by recompute: the slot is freed and the prompt
+recomputed from a fresh one). What hybrids cannot do yet is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import runner_of
+from tests.engine.test_sequence_groups import check_pool
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[(7 * i + 13 * j) % 120 + 3 for j in range(5 + (9 * i) % 17)] for i in range(6)]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, transformers model, its greedy continuation of each prompt, alone)."""
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=96,
+        layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, max_position_embeddings=256, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # never stops early
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.GraniteMoeHybridForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-granite-hybrid")
+    hf.save_pretrained(path)
+    with torch.inference_mode():
+        want = [
+            hf.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]  # fmt: skip
+    return str(path), hf, want
+
+
+def make_llm(path, **kwargs):
+    kwargs.setdefault("kv_cache_memory", "16MiB")  # 256 sequences' states (5 MiB) and blocks
+    return LLM(model=path, dtype="float32", max_model_len=64, **kwargs)
+
+
+def greedy(llm, prompts=PROMPTS):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    check_pool(llm)
+    # Slots come back when the runner hears of their sequences' end, with the next step: at
+    # most this call's are held (those that ended in its last step), every earlier one's went.
+    assert runner_of(llm.llm_engine).state_pool.num_used <= len(prompts)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("budget", [None, 5], ids=["whole-prompts", "chunked-5"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_greedy_equals_transformers_alone_and_batched(tiny, block_size, budget):
+    path, _, want = tiny
+    llm = make_llm(path, block_size=block_size, max_num_batched_tokens=budget)
+    assert greedy(llm) == want  # batched: prompt chunks beside other sequences' decode rows
+    assert greedy(llm, PROMPTS[3:4]) == want[3:4]  # alone, in a slot another sequence used
+
+
+def test_preemption_recomputes_from_a_fresh_state(tiny):
+    path, _, want = tiny
+    # 16 blocks of 4 for the attention layer: each sequence needs 6-10 of them.
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16, max_num_seqs=4)
+    assert greedy(llm) == want
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_refused(tiny):
+    path, _, _ = tiny
+    small, large = (make_llm(path, block_size=4, max_num_seqs=n) for n in (4, 64))
+    runner = runner_of(small.llm_engine)
+    per_slot = sum(s.conv[0].nbytes + s.ssm[0].nbytes for s in runner.state_pool.layers.values())
+    spec = small.llm_engine.kv_cache_spec
+    slots_bytes = (64 - 4) * per_slot
+    assert small.llm_engine.num_blocks - large.llm_engine.num_blocks == pytest.approx(
+        slots_bytes / spec.bytes_per_block, abs=1
+    )
+    cache = small.llm_engine.config.cache
+    assert not cache.enable_prefix_caching
+    assert small.llm_engine.config.scheduler.preemption_mode == "recompute"
+    with pytest.raises(ValueError, match="hybrid model"):
+        small.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(n=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="hybrid models .* --speculative-config"):
+        make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
