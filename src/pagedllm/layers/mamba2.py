@@ -12,8 +12,9 @@ then y is gated by silu(z) and normalised per group (RMSNormGated), as transform
 layers compute it. A sequence's first step starts from zero state; a later step (the next chunk
 of its prompt, a decode step) from its slot, which every step updates in place.
 
-Decode rows (one token of a sequence) are updated together; a prompt chunk is scanned token by
-token in float32, the plain reference a chunked scan kernel is to be checked against.
+Decode rows (one token of a sequence) are updated together; a prompt chunk is scanned CHUNK
+tokens at a time in float32 (ssd_scan: the recurrence unrolled within a chunk, as Mamba-2's
+state space duality computes it), checked against the token-by-token recurrence.
 """
 
 from __future__ import annotations
@@ -134,11 +135,20 @@ class MambaMixer2(nn.Module):
 
     def _conv(self, xbc, state: MambaState, slots, query_start_loc) -> torch.Tensor:
         """silu(causal depthwise conv1d), each sequence continuing from its conv state, which is
-        left holding its last kernel - 1 inputs."""
+        left holding its last kernel - 1 inputs. Single-token rows together."""
         weight, bias = self.conv1d.weight, self.conv1d.bias
         out = torch.empty_like(xbc)
+        singles, rows = _single_rows(query_start_loc)
+        if singles:  # [B, channels, kernel]: the state then the new input
+            idx = torch.tensor([slots[i] for i in singles], device=xbc.device)
+            seq = torch.cat([state.conv[idx], xbc[rows, :, None].to(state.conv.dtype)], dim=2)
+            y = (seq.to(weight.dtype) * weight[:, 0]).sum(-1)
+            out[rows] = F.silu(y if bias is None else y + bias).to(out.dtype)
+            state.conv.index_copy_(0, idx, seq[:, :, 1:])
         for i, slot in enumerate(slots):
             start, end = query_start_loc[i], query_start_loc[i + 1]
+            if end - start == 1:
+                continue
             seq = torch.cat([state.conv[slot], xbc[start:end].T.to(state.conv.dtype)], dim=1)
             y = F.conv1d(seq[None].to(weight.dtype), weight, bias, groups=self.conv_dim)[0]
             out[start:end] = F.silu(y).T.to(out.dtype)
@@ -146,7 +156,8 @@ class MambaMixer2(nn.Module):
         return out
 
     def _scan(self, x, b, c, dt, state: MambaState, slots, query_start_loc) -> torch.Tensor:
-        """The selective scan in float32, token by token; y [T, inner]."""
+        """The selective scan in float32; y [T, inner]. Single-token rows (decode) update their
+        states together; a prompt chunk is scanned in chunks of CHUNK tokens (ssd_scan)."""
         heads, group = self.num_heads, self.num_heads // self.n_groups
         x = x.float().view(-1, heads, self.head_dim)
         b = b.float().view(-1, self.n_groups, self.state_size).repeat_interleave(group, dim=1)
@@ -154,11 +165,64 @@ class MambaMixer2(nn.Module):
         a = -torch.exp(self.A_log.float())
         d = self.D.float()[:, None]
         y = torch.empty_like(x)
+        singles, rows = _single_rows(query_start_loc)
+        if singles:
+            idx = torch.tensor([slots[i] for i in singles], device=x.device)
+            h = state.ssm[idx]  # [B, heads, head_dim, state]
+            h = h * torch.exp(dt[rows] * a)[:, :, None, None]
+            h = h + (dt[rows][:, :, None] * x[rows])[..., None] * b[rows][:, :, None, :]
+            y[rows] = (h * c[rows][:, :, None, :]).sum(-1) + d * x[rows]
+            state.ssm.index_copy_(0, idx, h)
         for i, slot in enumerate(slots):
-            h = state.ssm[slot]
-            for t in range(query_start_loc[i], query_start_loc[i + 1]):
-                decay = torch.exp(dt[t] * a)[:, None, None]  # [heads, 1, 1]
-                h = h * decay + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
-                y[t] = (h * c[t][:, None, :]).sum(-1) + d * x[t]
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            if end - start == 1:
+                continue
+            part = slice(start, end)
+            y[part], h = ssd_scan(x[part], b[part], c[part], dt[part], a, state.ssm[slot])
+            y[part] += d * x[part]
             state.ssm[slot].copy_(h)
         return y.view(-1, self.inner)
+
+
+CHUNK = 64  # tokens scanned at once: a [CHUNK, CHUNK, heads] decay matrix
+
+
+def _single_rows(query_start_loc: list[int]) -> tuple[list[int], list[int]]:
+    """(the sequences with one row this step, their rows)."""
+    singles = [i for i in range(len(query_start_loc) - 1)
+               if query_start_loc[i + 1] - query_start_loc[i] == 1]  # fmt: skip
+    return singles, [query_start_loc[i] for i in singles]
+
+
+def ssd_scan(x, b, c, dt, a, h, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's scan (without D's skip), float32: x [L, heads, head_dim], b / c [L,
+    heads, state], dt [L, heads], a [heads], h [heads, head_dim, state] at the start -> (y
+    [L, heads, head_dim], h at the end). Chunk by chunk, the recurrence unrolled: within a
+    chunk, h_t = exp(cum_t) h_0 + sum_{s <= t} exp(cum_t - cum_s) dt_s x_s (outer) b_s with
+    cum the running sum of dt * a (so every factor is at most 1), y_t = h_t . c_t."""
+    ys = []
+    for start in range(0, x.shape[0], chunk):
+        xs, bs, cs, dts = (t[start : start + chunk] for t in (x, b, c, dt))
+        cum = (dts * a).cumsum(0)  # [q, heads], decreasing
+        seg = cum[:, None, :] - cum[None, :, :]  # [t, s, heads]: log decay from s to t
+        causal = torch.ones(seg.shape[:2], dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(seg.masked_fill(~causal[..., None], float("-inf")))
+        scores = torch.einsum("thn,shn->tsh", cs, bs) * decay  # [t, s, heads]
+        y = torch.einsum("tsh,shp->thp", scores, dts[..., None] * xs)
+        y += torch.einsum("thn,hpn->thp", cs, h) * torch.exp(cum)[..., None]
+        ys.append(y)
+        to_end = torch.exp(cum[-1] - cum) * dts  # [s, heads]
+        h = h * torch.exp(cum[-1])[:, None, None] + torch.einsum("sh,shp,shn->hpn", to_end, xs, bs)
+    return torch.cat(ys), h
+
+
+def ssm_scan_reference(x, b, c, dt, a, h) -> tuple[torch.Tensor, torch.Tensor]:
+    """ssd_scan's oracle: the recurrence token by token."""
+    ys = []
+    for t in range(x.shape[0]):
+        h = (
+            h * torch.exp(dt[t] * a)[:, None, None]
+            + (dt[t][:, None] * x[t])[..., None] * b[t][:, None, :]
+        )
+        ys.append((h * c[t][:, None, :]).sum(-1))
+    return torch.stack(ys), h
