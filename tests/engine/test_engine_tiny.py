@@ -83,10 +83,12 @@ def test_prompt_too_long_and_bad_token_rejected_without_leaking(tiny):
 
 def test_kv_cache_too_small_for_max_model_len_fails_at_start(tiny):
     path, _ = tiny
-    with pytest.raises(ValueError, match="kv-cache-memory"):
+    with pytest.raises(ValueError, match="raise --num-gpu-blocks-override to at least 16 "):
         LLM(
             dtype="float32", model=path, num_gpu_blocks_override=3, block_size=16, max_model_len=256
         )
+    with pytest.raises(ValueError, match=r"raise --kv-cache-memory to at least \d+MiB "):
+        LLM(dtype="float32", model=path, kv_cache_memory="4KiB", block_size=16, max_model_len=256)
 
 
 def test_unknown_engine_argument_is_a_type_error(tiny):

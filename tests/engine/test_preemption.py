@@ -334,11 +334,3 @@ def test_default_model_heavy_preemption_gives_the_unconstrained_outputs():
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_preemptions_total > 0
         assert (scheduler.num_swap_preemptions_total > 0) == (mode == "swap")
-
-
-def test_a_pool_too_small_for_one_request_names_the_flag_that_sized_it(tiny):
-    # max_model_len 64 in blocks of 4: 16 blocks.
-    with pytest.raises(ValueError, match="raise --num-gpu-blocks-override to at least 16 "):
-        make_llm(tiny, num_gpu_blocks_override=15)
-    with pytest.raises(ValueError, match=r"raise --kv-cache-memory to at least \d+MiB "):
-        make_llm(tiny, kv_cache_memory="1KiB")

@@ -209,7 +209,13 @@ def checkpoint_state(tensors, model) -> dict[str, torch.Tensor]:
     for name, tensor in tensors.items():
         for pattern, replacement in model.weight_renames:
             name = re.sub(pattern, replacement, name)
-        state.update(model.split_weight(name, tensor))
+        for part, t in model.split_weight(name, tensor):
+            if part.endswith("mlp.gate_up_proj.weight"):  # fused in some files, apart in others
+                gate, up = t.chunk(2)
+                state[part.replace("gate_up_proj", "gate_proj")] = gate
+                state[part.replace("gate_up_proj", "up_proj")] = up
+            else:
+                state[part] = t
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

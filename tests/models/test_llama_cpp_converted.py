@@ -1,4 +1,4 @@
-"""Mixture-of-experts models in GGUF files written by llama.cpp's own converter
+"""Mixture-of-experts and hybrid models in GGUF files written by llama.cpp's own converter
 (convert_hf_to_gguf.py: tests/model_loader/llama_cpp_convert.py), as users download them: a tiny
 random transformers model saved with the default model's tokenizer, converted to F32 and Q8_0.
 The F32 file holds transformers' weights exactly, and pagedllm's float32 greedy output equals
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 
 import gguf
@@ -58,10 +59,31 @@ MODELS = {
         ),  # fmt: skip
     ),
 }
+# A hybrid (not a mixture of experts, but converted the same way): Mamba-2 layers around an
+# attention layer, no RoPE, Granite's multipliers.
+MODELS["granite_hybrid"] = (
+    "GraniteMoeHybridConfig",
+    "GraniteMoeHybridForCausalLM",
+    dict(
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=0,
+        shared_intermediate_size=96,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=3.0,
+    ),  # fmt: skip
+)
 ARCHITECTURES = {  # what each loads as from a GGUF (llama.cpp writes Mixtral as "llama")
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "LlamaForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "granite_hybrid": "GraniteMoeHybridForCausalLM",
 }
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61], [7, 1, 2, 400, 5000], [11, 23, 5, 90, 64, 33, 2, 8, 77]]
 NEW_TOKENS = 24
@@ -77,7 +99,7 @@ def tokenizer():
 def converted(request, tmp_path_factory):
     """(name, transformers model, its directory, {outtype: GGUF path})."""
     config_cls, model_cls, extra = MODELS[request.param]
-    config = getattr(transformers, config_cls)(vocab_size=len(tokenizer()), **SHAPE, **extra)
+    config = getattr(transformers, config_cls)(vocab_size=len(tokenizer()), **{**SHAPE, **extra})
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # norms start at 1, sinks and biases at 0: randomised
@@ -89,6 +111,10 @@ def converted(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(d / "hf")
     tokenizer().save_pretrained(d / "hf")
+    if "layer_types" in extra:  # as IBM's configs name them (the converter reads these names)
+        saved = json.loads((d / "hf/config.json").read_text())
+        saved["layer_types"] = extra["layer_types"]
+        (d / "hf/config.json").write_text(json.dumps(saved))
     files = {t: convert(d / "hf", d / f"model-{t}.gguf", t) for t in ("f32", "q8_0")}
     return request.param, hf, d / "hf", files
 
@@ -104,14 +130,18 @@ def test_f32_file_holds_the_weights_and_gives_transformers_greedy_tokens(convert
     loaded = load_gguf(files["f32"], with_tokenizer=False)
     c = loaded.config
     assert c.architecture == ARCHITECTURES[name]
-    assert (c.num_experts, c.num_experts_per_tok) == (
-        hf.config.num_experts if name == "qwen3_moe" else hf.config.num_local_experts,
-        hf.config.num_experts_per_tok,
-    )
-    state = checkpoint_state(hf.state_dict(), get_model_class(c.architecture)(c))
-    assert set(loaded.weights) == set(state)
+    experts = hf.config.num_experts if name == "qwen3_moe" else hf.config.num_local_experts
+    assert c.num_experts == experts
+    assert c.num_experts_per_tok == (hf.config.num_experts_per_tok if experts else 0)
+    model = get_model_class(c.architecture)(c)
+    state = checkpoint_state(hf.state_dict(), model)
+    weights = checkpoint_state(loaded.weights, model)
+    assert set(weights) == set(state)
     for k, v in state.items():  # llama's q/k rows permuted by the converter, restored
-        assert torch.equal(loaded.weights[k], v), k
+        if k.endswith("A_log"):  # stored as -exp(A_log): log(-A) is A_log within rounding
+            torch.testing.assert_close(weights[k], v, atol=0, rtol=1e-6)
+        else:
+            assert torch.equal(weights[k], v), k
 
     with torch.inference_mode():
         want = [
@@ -128,10 +158,11 @@ def test_f32_file_holds_the_weights_and_gives_transformers_greedy_tokens(convert
     assert greedy(llm) == want
 
 
-def expert_methods(llm: LLM) -> list:
+def layer_methods(llm: LLM, within: str = ".layers.") -> list:
+    """The quant methods of the decoder's linear layers (`within` their names)."""
     model = runner_of(llm.llm_engine).model
     return [m.quant_method for n, m in model.named_modules()
-            if ".experts." in n and hasattr(m, "quant_method")]  # fmt: skip
+            if within in n and hasattr(m, "quant_method")]  # fmt: skip
 
 
 def teacher_forced(llm: LLM, exact: LLM) -> tuple[float, float]:
@@ -155,14 +186,14 @@ def test_q8_0_experts_multiply_their_codes_by_default(converted):
     integers (int8_act), and the output stays close to float32's (teacher-forced)."""
     _, _, _, files = converted
     llm = LLM(model=str(files["q8_0"]), max_model_len=128, kv_cache_memory="8MiB")
-    methods = expert_methods(llm)
+    methods = layer_methods(llm)  # the experts', a Mamba layer's projections, ...
     assert methods and all(isinstance(m, Int8ActLinearMethod) for m in methods)
     exact = LLM(
         model=str(files["q8_0"]), dtype="float32", max_model_len=128, kv_cache_memory="8MiB"
     )
-    # Measured: 100% / 0.012 (qwen3_moe), 90% / 0.034 (mixtral), 93% / 0.011 (gpt_oss) over 72
-    # positions. A random tiny model's distributions are flat, so near-ties flip; a wrong
-    # expert's codes would leave next to no agreement.
+    # Measured over 72 positions: 100% / 0.012 (qwen3_moe), 90% / 0.034 (mixtral), 93% / 0.011
+    # (gpt_oss), 94% / 0.005 (granite_hybrid). A random tiny model's distributions are flat, so
+    # near-ties flip; a wrong expert's codes would leave next to no agreement.
     agreement, delta = teacher_forced(llm, exact)
     assert agreement >= 0.8 and delta < 0.08, (agreement, delta)
 
@@ -203,7 +234,7 @@ def test_gpt_oss_mxfp4_experts_are_taken_exactly(converted, tmp_path):
     exact = LLM(model=str(path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
     assert greedy(exact) == want
     llm = LLM(model=str(path), max_model_len=128, kv_cache_memory="8MiB")
-    methods = expert_methods(llm)
+    methods = layer_methods(llm, ".experts.")
     assert methods and all(isinstance(m, Int8ActLinearMethod) for m in methods)
     assert {m.kind for m in methods} == {"int6"}
     # Measured: 100% / 0.006: the weights are the file's, only the activations are rounded.

@@ -138,16 +138,53 @@ def _rope_scaling(meta: dict, arch: str, config: ModelArchConfig, rope_freqs) ->
     return None
 
 
+def _granite_options(meta: dict, arch: str) -> dict:
+    """Granite's multipliers (llama.cpp: a missing attention.scale means 1/sqrt(head_dim))."""
+    scale = meta.get(f"{arch}.attention.scale")
+    return {
+        "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
+        "residual_multiplier": float(meta.get(f"{arch}.residual_scale", 1.0)),
+        "attention_multiplier": None if scale is None else float(scale),
+        "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0)),
+    }
+
+
+def _mamba_options(meta: dict, arch: str, tensors: dict) -> dict:
+    """A hybrid's Mamba-2 layers: those with no KV heads (llama.cpp's per-layer head_count_kv),
+    their sizes from the ssm keys; RoPE only where the file says so (llama.cpp's converter
+    writes rope.scaling.finetuned for a hybrid that uses it)."""
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv")
+    n = int(meta[f"{arch}.block_count"])
+    if not isinstance(kv_heads, list) or len(kv_heads) != n:
+        raise ValueError(f"{arch} GGUF without a per-layer attention.head_count_kv")
+    inner, heads = int(meta[f"{arch}.ssm.inner_size"]), int(meta[f"{arch}.ssm.time_step_rank"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    if inner % heads or inner % hidden:
+        raise ValueError(f"{arch} GGUF: ssm.inner_size {inner} is not heads x head_dim")
+    first = next((i for i, h in enumerate(kv_heads) if not h), 0)
+    return {
+        "layer_types": ["full_attention" if h else "mamba" for h in kv_heads],
+        "use_rope": bool(meta.get(f"{arch}.rope.scaling.finetuned", False)),
+        "intermediate_size": int(meta[f"{arch}.expert_shared_feed_forward_length"]),
+        "mamba_expand": inner // hidden,
+        "mamba_n_heads": heads,
+        "mamba_d_head": inner // heads,
+        "mamba_n_groups": int(meta[f"{arch}.ssm.group_count"]),
+        "mamba_d_state": int(meta[f"{arch}.ssm.state_size"]),
+        "mamba_d_conv": int(meta[f"{arch}.ssm.conv_kernel"]),
+        "mamba_conv_bias": f"blk.{first}.ssm_conv1d.bias" in tensors,
+        "mamba_proj_bias": f"blk.{first}.ssm_in.bias" in tensors,
+    }
+
+
 def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
     """The ModelArchConfig options that set an architecture apart from Llama."""
-    if arch == "granite":  # llama.cpp: a missing attention.scale means 1/sqrt(head_dim)
-        scale = meta.get(f"{arch}.attention.scale")
-        return {
-            "embedding_multiplier": float(meta.get(f"{arch}.embedding_scale", 1.0)),
-            "residual_multiplier": float(meta.get(f"{arch}.residual_scale", 1.0)),
-            "attention_multiplier": None if scale is None else float(scale),
-            "logits_scaling": float(meta.get(f"{arch}.logit_scale", 1.0)),
-        }
+    if arch == "granite":
+        return _granite_options(meta, arch)
+    if arch == "granitehybrid":
+        if int(meta.get(f"{arch}.expert_count") or 0):
+            raise ValueError("granitehybrid GGUF with experts is not supported yet")
+        return {**_granite_options(meta, arch), **_mamba_options(meta, arch, tensors)}
     if int(meta.get(f"{arch}.expert_count") or 0):
         return _moe_options(meta, arch, tensors)
     if arch == "phi3":
@@ -217,14 +254,17 @@ def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
     # llama.cpp's converter writes it for phi3 (0: none), not for Mistral (a "llama" file) nor
     # Qwen2. Where present it slides every layer, as HF's Phi-3 and Mistral do.
     sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None
-    options = {"qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+    # The first attention layer's tensors tell its options (a hybrid's layer 0 may be Mamba).
+    n = int(get("block_count"))
+    attn = next((f"blk.{i}." for i in range(n) if f"blk.{i}.attn_output.weight" in tensors), "")
+    options = {"intermediate_size": int(get("feed_forward_length"))}
+    options["qk_norm"] = f"{attn}attn_q_norm.weight" in tensors
     options.update(_arch_options(meta, arch, tensors, head_dim))
     config = ModelArchConfig(
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        num_hidden_layers=n,
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
@@ -232,8 +272,8 @@ def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_output.bias" in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        attention_bias=f"{attn}attn_output.bias" in tensors,
+        qkv_bias=f"{attn}attn_q.bias" in tensors or f"{attn}attn_qkv.bias" in tensors,
         mlp_bias="blk.0.ffn_down.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),

@@ -37,7 +37,7 @@ from pagedllm.model_loader.gguf_file import GGUFFile
 from pagedllm.model_loader.loaded_model import LazyCodes, LazyWeights, LoadedModel
 
 # GGUF architectures whose attn_q / attn_k rows llama.cpp's converter permutes.
-_PERMUTED_QK_ARCHS = ("llama", "granite")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitehybrid")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -66,7 +66,19 @@ _EXPERT_TENSORS = {
     "ffn_down_exps": "down_proj",
 }
 # Per-architecture names that differ from llama's (gemma3's ffn_norm is the pre-MLP norm).
+# A hybrid's Mamba-2 layers (granitehybrid): HF names, and how llama.cpp's converter stored
+# them (A as -exp(A_log); D, A and the norm's weight reshaped; conv1d's weight squeezed).
+_MAMBA_TENSORS = {
+    "ssm_in": "mamba.in_proj",
+    "ssm_out": "mamba.out_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_dt": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_norm": "mamba.norm",
+}
 _ARCH_LAYER_TENSORS = {
+    "granitehybrid": {**_LAYER_TENSORS, **_MAMBA_TENSORS},
     "gpt-oss": {
         **_LAYER_TENSORS,
         "post_attention_norm": "post_attention_layernorm",  # the norm before the experts
@@ -81,7 +93,9 @@ _ARCH_LAYER_TENSORS = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Parameters that are not a module's weight or bias in HF's checkpoints.
+_OWN_PARAMETERS = ("self_attn.sinks", "mamba.A_log", "mamba.D", "mamba.dt_bias")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -97,9 +111,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         module = layer_tensors[m.group(2)]
         if arch == "phi3" and module == "mlp.up_proj":
             module = "mlp.gate_up_proj"  # phi3's ffn_up holds gate and up, fused as in HF
-        if module == "self_attn.sinks":
-            return f"model.layers.{m.group(1)}.{module}"  # a parameter of its own, as in HF
-        return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+        if module in _OWN_PARAMETERS:  # (ssm_a and ssm_d have no suffix in the file)
+            return f"model.layers.{m.group(1)}.{module}"
+        if m.group(3) is not None:
+            return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
     raise ValueError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file")
 
 
@@ -180,7 +195,21 @@ def _read_tensor(
         array = unpermute_from_gguf(array, heads[proj])
     if arch == "gemma3" and name.endswith("norm.weight"):
         array = array - 1.0  # the converter stored 1 + w
+    if ".mamba." in name:
+        array = _mamba_from_gguf(name, array)
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+
+def _mamba_from_gguf(name: str, array: np.ndarray) -> np.ndarray:
+    """A Mamba-2 tensor back in HF's form: A_log = log(-A), D and the norm's weight flat, the
+    depthwise conv's weight [channels, 1, kernel]."""
+    if name.endswith("A_log"):
+        return np.log(-array.reshape(-1))
+    if name.endswith((".D", "norm.weight")):
+        return array.reshape(-1)
+    if name.endswith("conv1d.weight"):
+        return array.reshape(array.shape[0], 1, -1)
+    return array
 
 
 def _read_codes(reader: GGUFFile, t, n_head: int | None, expert: int | None = None):
