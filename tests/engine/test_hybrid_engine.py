@@ -93,3 +93,5 @@ def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_ref
         small.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(n=2), use_tqdm=False)
     with pytest.raises(ValueError, match="hybrid models .* --speculative-config"):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="hybrid models .* --tensor-parallel-size > 1"):
+        make_llm(path, tensor_parallel_size=2)

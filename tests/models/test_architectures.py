@@ -112,6 +112,22 @@ ARCHS = {
             position_embedding_type="rope",
         ),  # fmt: skip
     ),
+    # Granite 4.0-H tiny's kind: experts (the softmax of the top k logits) beside its MLP.
+    "granite_hybrid_moe": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            shared_intermediate_size=48,
+            residual_multiplier=0.5,
+        ),  # fmt: skip
+    ),
     # Sinks, biases, alternating sliding / full layers, YaRN with a small original context.
     "gpt_oss": (
         "GptOssConfig",
@@ -195,7 +211,7 @@ def load(name: str, source: str, tmp_path):
 # Not qwen2_sliding from GGUF: llama.cpp's converter stores no Qwen2 sliding window (nor layer
 # types), so such a file holds a full-attention model; nor a dense layer among experts.
 HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer", "gpt_oss", "granite_hybrid",
-           "granite_hybrid_rope")  # fmt: skip
+           "granite_hybrid_rope", "granite_hybrid_moe")  # fmt: skip
 CASES = [
     (n, s) for n in sorted(ARCHS) for s in ("hf_dir", "gguf") if (s, n in HF_ONLY) != ("gguf", True)
 ]
@@ -210,7 +226,7 @@ def checkpoint_state(tensors, model) -> dict[str, torch.Tensor]:
         for pattern, replacement in model.weight_renames:
             name = re.sub(pattern, replacement, name)
         for part, t in model.split_weight(name, tensor):
-            if part.endswith("mlp.gate_up_proj.weight"):  # fused in some files, apart in others
+            if part.endswith("gate_up_proj.weight"):  # fused in some files, apart in others
                 gate, up = t.chunk(2)
                 state[part.replace("gate_up_proj", "gate_proj")] = gate
                 state[part.replace("gate_up_proj", "up_proj")] = up

@@ -79,11 +79,28 @@ MODELS["granite_hybrid"] = (
         logits_scaling=3.0,
     ),  # fmt: skip
 )
+MODELS["granite_hybrid_moe"] = (
+    "GraniteMoeHybridConfig",
+    "GraniteMoeHybridForCausalLM",
+    dict(
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        shared_intermediate_size=64,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        residual_multiplier=0.5,
+    ),  # fmt: skip
+)
 ARCHITECTURES = {  # what each loads as from a GGUF (llama.cpp writes Mixtral as "llama")
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "LlamaForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "granite_hybrid": "GraniteMoeHybridForCausalLM",
+    "granite_hybrid_moe": "GraniteMoeHybridForCausalLM",
 }
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61], [7, 1, 2, 400, 5000], [11, 23, 5, 90, 64, 33, 2, 8, 77]]
 NEW_TOKENS = 24
@@ -130,7 +147,7 @@ def test_f32_file_holds_the_weights_and_gives_transformers_greedy_tokens(convert
     loaded = load_gguf(files["f32"], with_tokenizer=False)
     c = loaded.config
     assert c.architecture == ARCHITECTURES[name]
-    experts = hf.config.num_experts if name == "qwen3_moe" else hf.config.num_local_experts
+    experts = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
     assert c.num_experts == experts
     assert c.num_experts_per_tok == (hf.config.num_experts_per_tok if experts else 0)
     model = get_model_class(c.architecture)(c)

@@ -72,6 +72,9 @@ class ModelArchConfig:
     # gpt-oss's mixture: the softmax over the top k logits (not top k of the softmax), biases on
     # the router and the experts, and its clamped SwiGLU: (clamp(up, +-limit) + 1) *
     # g * sigmoid(alpha * g) with g = min(gate, limit).
+    # A dense MLP of this size beside the experts, added to their sum (Granite 4.0-H's shared
+    # MLP); 0: none.
+    shared_expert_intermediate_size: int = 0
     router_softmax_after_topk: bool = False
     router_bias: bool = False
     expert_bias: bool = False

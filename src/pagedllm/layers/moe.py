@@ -32,9 +32,12 @@ class ExpertMLP(nn.Module):
         dtype: torch.dtype,
         quant_config: QuantizationConfig | None,
         prefix: str,
+        intermediate: int | None = None,
     ):
+        """`intermediate`: the size of this one (a shared expert's), else the experts'."""
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.moe_intermediate_size, config.expert_bias
+        hidden, bias = config.hidden_size, config.expert_bias
+        inter = intermediate or config.moe_intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], bias, dtype, quant_config, f"{prefix}.gate_up_proj"
         )
@@ -63,7 +66,8 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Checkpoint names as Qwen3-MoE's: `gate` (the router), `experts.{e}.{gate,up,down}_proj`."""
+    """Checkpoint names as Qwen3-MoE's: `gate` (the router), `experts.{e}.{gate,up,down}_proj`,
+    `shared_expert.{gate,up,down}_proj`."""
 
     def __init__(
         self,
@@ -85,6 +89,12 @@ class SparseMoeBlock(nn.Module):
             ExpertMLP(config, dtype, quant_config, f"{prefix}.experts.{e}")
             for e in range(self.num_experts)
         )
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:  # every token's, beside its chosen ones
+            self.shared_expert = ExpertMLP(
+                config, dtype, quant_config, f"{prefix}.shared_expert",
+                config.shared_expert_intermediate_size,
+            )  # fmt: skip
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): the softmax (in float32) of the router's
@@ -117,4 +127,6 @@ class SparseMoeBlock(nn.Module):
                 y = expert(x[rows])
                 out.index_add_(0, rows, y.float() * pair_weights[start : start + n])
                 start += n
+        if self.shared_expert is not None:
+            out += self.shared_expert(x).float()
         return all_reduce(out.to(x.dtype))

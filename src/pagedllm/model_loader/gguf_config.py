@@ -182,9 +182,10 @@ def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
     if arch == "granite":
         return _granite_options(meta, arch)
     if arch == "granitehybrid":
+        options = {**_granite_options(meta, arch), **_mamba_options(meta, arch, tensors)}
         if int(meta.get(f"{arch}.expert_count") or 0):
-            raise ValueError("granitehybrid GGUF with experts is not supported yet")
-        return {**_granite_options(meta, arch), **_mamba_options(meta, arch, tensors)}
+            options.update(_moe_options(meta, arch, tensors))
+        return options
     if int(meta.get(f"{arch}.expert_count") or 0):
         return _moe_options(meta, arch, tensors)
     if arch == "phi3":
@@ -198,7 +199,7 @@ def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
 def _moe_options(meta: dict, arch: str, tensors: dict) -> dict:
     """A mixture of experts (qwen3moe; Mixtral, written as llama): llama.cpp's graphs of these
     architectures always renormalise the top k weights, and put experts in every layer."""
-    if arch not in ("qwen3moe", "llama", "gpt-oss"):
+    if arch not in ("qwen3moe", "llama", "gpt-oss", "granitehybrid"):
         raise ValueError(f"{arch} GGUF with experts: not supported")
     experts, used = int(meta[f"{arch}.expert_count"]), int(meta.get(f"{arch}.expert_used_count", 0))
     if not 0 < used <= experts:
@@ -218,6 +219,11 @@ def _moe_options(meta: dict, arch: str, tensors: dict) -> dict:
         "moe_intermediate_size": int(size),
         "norm_topk_prob": True,
     }
+    if arch == "granitehybrid":  # the softmax of the top k logits; a shared MLP beside
+        fields.update(
+            norm_topk_prob=False, router_softmax_after_topk=True,
+            shared_expert_intermediate_size=int(meta[f"{arch}.expert_shared_feed_forward_length"]),
+        )  # fmt: skip
     if arch == "gpt-oss":  # llama.cpp's graph fixes its SwiGLU's alpha and limit
         fields.update(
             norm_topk_prob=False, router_softmax_after_topk=True, router_bias=True,

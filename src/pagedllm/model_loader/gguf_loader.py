@@ -58,6 +58,9 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # and its shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # A mixture of experts' stacked [experts, rows, columns] tensors -> each expert's projection.
 _EXPERT_TENSORS = {

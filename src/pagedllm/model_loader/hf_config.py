@@ -138,8 +138,6 @@ def _arch_options(arch: str, cfg: dict) -> dict:
 def _granite_hybrid_fields(cfg: dict) -> dict:
     """Granite 4.0-H: Mamba-2 layers ("linear_attention" / "mamba") among attention layers,
     usually without RoPE, Granite's multipliers, and a dense (shared) MLP."""
-    if cfg.get("num_local_experts"):
-        raise ValueError("Granite 4.0-H with experts (num_local_experts > 0) is not supported yet")
     kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
     if not kinds or len(kinds) != cfg["num_hidden_layers"]:
         raise ValueError("a hybrid config needs layer_types, one per layer")
@@ -151,7 +149,13 @@ def _granite_hybrid_fields(cfg: dict) -> dict:
     # transformers writes infinity as {"__float__": "Infinity"}
     limit = [v["__float__"] if isinstance(v, dict) else v
              for v in cfg.get("time_step_limit") or (0.0, float("inf"))]  # fmt: skip
+    experts = {}
+    if cfg.get("num_local_experts"):  # Granite 4.0-H tiny / small: experts beside the MLP
+        experts = _moe_fields(cfg, cfg["intermediate_size"])
+        experts["router_softmax_after_topk"] = True
+        experts["shared_expert_intermediate_size"] = int(cfg["shared_intermediate_size"])
     return {
+        **experts,
         "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
         "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
         "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),

@@ -222,15 +222,27 @@ class LlamaForCausalLM(nn.Module):
     }
     # Checkpoint names -> ours, where an architecture names a layer its own way (Mixtral's
     # experts: w1 / w3 / w2 are gate / up / down), as re.sub patterns.
-    weight_renames = (
+    _RENAMES = (
+        (r"\.block_sparse_moe\.router\.layer\.", ".mlp.gate."),  # Granite 4.0-H's experts
+        (r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
+        (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
         (r"\.block_sparse_moe\.", ".mlp."),
         (r"\.mlp\.router\.", ".mlp.gate."),  # gpt-oss's router
-        (r"\.shared_mlp\.input_linear\.", ".mlp.gate_up_proj."),  # Granite 4.0-H's MLP
-        (r"\.shared_mlp\.output_linear\.", ".mlp.down_proj."),
         (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
         (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
         (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
     )
+
+    @property
+    def weight_renames(self) -> tuple[tuple[str, str], ...]:
+        """Granite 4.0-H's dense MLP (shared_mlp) is the layer's MLP, or, beside experts, their
+        shared expert."""
+        shared = ".mlp.shared_expert." if self.config.num_experts else ".mlp."
+        return (
+            *self._RENAMES,
+            (r"\.shared_mlp\.input_linear\.", f"{shared}gate_up_proj."),
+            (r"\.shared_mlp\.output_linear\.", f"{shared}down_proj."),
+        )
 
     _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?")
 
