@@ -1,8 +1,9 @@
 """A hybrid model (a tiny random Granite 4.0-H: Mamba-2 layers among attention layers, float32)
 through the engine, transformers as the oracle: each sequence's recurrent state in a slot of
 the state pool, carried across prompt chunks and decode steps, alone and batched, with block
-sizes 1 / 16 / 32, and after preemption (by recompute: the slot is freed and the prompt
-recomputed from a fresh one). What hybrids cannot do yet is refused with the reason."""
+sizes 1 / 16 / 32, after preemption (by recompute: the slot is freed and the prompt recomputed
+from a fresh one), and copied to each fork (n seeded samples, beam search). What hybrids cannot
+do yet is refused with the reason."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import runner_of
-from tests.engine.test_sequence_groups import check_pool
+from tests.engine.test_sequence_groups import check_pool, hf_beam_search
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,8 +51,16 @@ def make_llm(path, **kwargs):
 
 
 def greedy(llm, prompts=PROMPTS):
+    """Greedy outputs, the block pool and state slots checked after every step."""
+    engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.scheduler.check_integrity()
+        runner_of(engine).state_pool.check_integrity()
+    outs = [done[i] for i in ids]
     check_pool(llm)
     # Slots come back when the runner hears of their sequences' end, with the next step: at
     # most this call's are held (those that ended in its last step), every earlier one's went.
@@ -89,9 +98,52 @@ def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_ref
     cache = small.llm_engine.config.cache
     assert not cache.enable_prefix_caching
     assert small.llm_engine.config.scheduler.preemption_mode == "recompute"
-    with pytest.raises(ValueError, match="hybrid model"):
-        small.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(n=2), use_tqdm=False)
     with pytest.raises(ValueError, match="hybrid models .* --speculative-config"):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="hybrid models .* --tensor-parallel-size > 1"):
         make_llm(path, tensor_parallel_size=2)
+    # 256 sequences' states (5 MiB) do not leave room for one request's blocks in 5 MiB.
+    with pytest.raises(ValueError, match="the Mamba state of --max-num-seqs 256 .* lower --max"):
+        make_llm(path, kv_cache_memory="5MiB")
+
+
+def test_forked_seeded_samples_equal_independent_runs(tiny):
+    """n = 3: each fork gets a copy of the prompt's state (a shared one would mix them)."""
+    path, _, _ = tiny
+    llm = make_llm(path, block_size=4)
+    n, seed = 3, 77
+    params = SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
+    forked = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    alone = [
+        llm.generate(
+            [{"prompt_token_ids": PROMPTS[1]}],
+            SamplingParams(seed=seed + i, temperature=1.0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+        for i in range(n)
+    ]
+    assert [c.token_ids for c in forked.outputs] == alone
+    assert len({tuple(t) for t in alone}) == n  # the samples differ
+    check_pool(llm)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_equals_transformers(tiny, width):
+    """Beams fork and are pruned every step: each keeps its own copy of the state."""
+    path, hf, _ = tiny
+    llm = make_llm(path, block_size=4)
+    prompts = [PROMPTS[2], PROMPTS[4]]
+    params = SamplingParams(n=width, use_beam_search=True, temperature=0, max_tokens=10,
+                            stop_token_ids=[2])  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        hyps, scores = hf_beam_search(hf, prompt, width, 10, 1.0, False, [2])
+        assert [c.token_ids for c in out.outputs] == hyps
+        ours = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
+        assert ours == pytest.approx(scores, abs=1e-4)
+    check_pool(llm)
+    pool = runner_of(llm.llm_engine).state_pool
+    pool.check_integrity()
+    assert pool.num_used <= 2 * width  # pruned beams' slots went back

@@ -5,13 +5,13 @@ request, the stats counters, the preemption warning, the K/V the swap copies mov
 that could never run."""
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.selector import copy_blocks_torch
+from pagedllm.config import ModelArchConfig
 from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 from tests.conftest import runner_of, save_tiny_llama
@@ -254,13 +254,7 @@ def test_impossible_groups_are_rejected_and_the_rest_runs_on(tiny, unconstrained
 
 # -- the K/V the swap copies move -----------------------------------------------------------------
 def test_swap_blocks_move_every_layer_k_and_v_and_nothing_else():
-    config = SimpleNamespace(
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        layer_sliding_window=lambda i: None,
-    )
+    config = ModelArchConfig("LlamaForCausalLM", 10, 16, 16, 3, 2, 2, 8)  # 3 layers, 2 x 8
     kv = KVCache(kv_cache_spec(config, 4, torch.float32), 3, 10, 6, torch.float32,
                  torch.device("cpu"), copy_blocks_torch)  # fmt: skip
     assert kv.swap_pool.shape == (3, 2, 6, 4, 2, 8)

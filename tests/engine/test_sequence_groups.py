@@ -2,13 +2,12 @@
 best_of, beam search against HF transformers, mixed batches, preemption, and the K/V that
 copy-on-write copies."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.selector import copy_blocks_torch
+from pagedllm.config import ModelArchConfig
 from pagedllm.worker.kv_cache import KVCache, kv_cache_spec
 from tests.conftest import runner_of, save_tiny_llama
 
@@ -362,13 +361,7 @@ def test_groups_that_could_never_run_are_rejected(tiny):
 
 # -- the K/V that copy-on-write copies ------------------------------------------------------------
 def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
-    config = SimpleNamespace(
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        layer_sliding_window=lambda i: None,
-    )
+    config = ModelArchConfig("LlamaForCausalLM", 10, 16, 16, 3, 2, 2, 8)  # 3 layers, 2 x 8
     kv = KVCache(kv_cache_spec(config, 4, torch.float32), 3, 10, 0, torch.float32,
                  torch.device("cpu"), copy_blocks_torch)  # fmt: skip
     g = torch.Generator().manual_seed(0)

@@ -264,8 +264,7 @@ def _check_encoder(args: EngineArgs) -> None:
 
 def _check_hybrid(args: EngineArgs) -> None:
     """What a hybrid model (Mamba-2 layers: a recurrent state per sequence) cannot do yet:
-    drafts that may be rejected (the state cannot step back), and its layers on several ranks.
-    n > 1 and beam search are refused per request (InputProcessor)."""
+    drafts that may be rejected (the state cannot step back), and its layers on several ranks."""
     refused = {
         "--speculative-config": args.speculative_config is not None,
         "--tensor-parallel-size > 1": args.tensor_parallel_size > 1,

@@ -49,6 +49,7 @@ class KVCacheManager:
         # The swap space: CPU blocks, the same layout as the device pool.
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.num_copied_blocks = 0  # copy-on-write copies handed out
+        self.forks: list[tuple[str, str]] = []  # (parent, child) seq ids since the last step
         # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) sequence.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -113,9 +114,11 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's block tables: every block gains a reference, none is
-        copied."""
+        copied. The fork is recorded for the runner (`forks`: a hybrid model's recurrent state
+        is copied, not shared)."""
         for group in self.groups:
             group.fork(parent, child)
+        self.forks.append((parent.seq_id, child.seq_id))
 
     def allocate_slots(
         self,

@@ -204,6 +204,9 @@ class Scheduler:
         out.preempted_request_ids = [g.request_id for g in preempted]
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         out.finished_request_ids = finished
+        forks = getattr(self.kv_cache_manager, "forks", None)
+        if forks:
+            out.forked_seqs, self.kv_cache_manager.forks = forks, []
         return out
 
     @staticmethod

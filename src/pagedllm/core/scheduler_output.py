@@ -29,6 +29,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each sequence verifies this step; they follow its
     # known tokens and are counted in num_scheduled_tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # (parent, child) seq ids forked since the previous step (n > 1, beam search): the runner
+    # copies a hybrid model's recurrent state from parent to child before the forward.
+    forked_seqs: list[tuple[str, str]] = field(default_factory=list)
 
     def needs_sample(self, request: Sequence) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""

@@ -95,11 +95,6 @@ class InputProcessor:
                 f"the request runs {num_sequences} sequences (n, best_of or beam width), "
                 f"more than max_num_seqs ({max_num_seqs}): lower it or raise --max-num-seqs"
             )
-        if num_sequences > 1 and self.config.model.arch.num_mamba_layers:
-            raise ValueError(
-                "n, best_of and beam search on a hybrid model (Mamba-2 layers) are not supported "
-                "yet: its samples would need copies of the recurrent state"
-            )
         allocation = self.config.cache.kv_allocation
         if num_sequences > 1 and allocation != "paged":
             raise ValueError(

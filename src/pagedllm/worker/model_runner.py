@@ -119,7 +119,11 @@ class ModelRunner:
         if self.proposer is not None and so.finished_request_ids:
             self.proposer.finish(so.finished_request_ids)
         if self.state_pool is not None:  # a preempted sequence recomputes from a fresh slot
-            self.state_pool.release([*so.finished_request_ids, *so.preempted_request_ids])
+            pool = self.state_pool
+            pool.release_requests([*so.finished_request_ids, *so.preempted_request_ids])
+            for parent, child in so.forked_seqs:
+                pool.fork(parent, child)
+            pool.release_unscheduled([r.seq_id for r in so.scheduled_requests])
         step = StepInputs(
             pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in), pairs(so.blocks_to_copy)
         )

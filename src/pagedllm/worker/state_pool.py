@@ -52,9 +52,45 @@ class StatePool:
             if slot is not None:
                 self._free.append(slot)
 
+    def release_requests(self, request_ids) -> None:
+        """Every sequence of these requests (a fork's id is its request's + "#n")."""
+        ids = set(request_ids)
+        if ids:
+            self.release([s for s in self._slot_of if s in ids or s.rpartition("#")[0] in ids])
+
+    def release_unscheduled(self, seq_ids: list[str]) -> None:
+        """A step schedules every live sequence of its requests together (their samples or
+        beams in lockstep): a sequence of one of them that is not scheduled has left (a pruned
+        beam) and its slot goes."""
+        live = set(seq_ids)
+        requests = {s.rpartition("#")[0] or s for s in live} | live
+        self.release([
+            s for s in self._slot_of
+            if s not in live and (s in requests or s.rpartition("#")[0] in requests)
+        ])  # fmt: skip
+
+    def fork(self, parent: str, child: str) -> None:
+        """The child's own slot, holding a copy of the parent's state (nothing when the parent
+        holds none: a preempted group recomputes from fresh states)."""
+        source = self._slot_of.get(parent)
+        if source is None:
+            return
+        self.release([child])
+        slot = self.slots([child], [0])[0]
+        for state in self.layers.values():
+            state.conv[slot].copy_(state.conv[source])
+            state.ssm[slot].copy_(state.ssm[source])
+
     def release_all(self) -> None:
         self.release(list(self._slot_of))
 
     @property
     def num_used(self) -> int:
         return len(self._slot_of)
+
+    def check_integrity(self) -> None:
+        """Every slot either free or one sequence's, never both, never twice."""
+        used = list(self._slot_of.values())
+        assert len(set(used)) == len(used), "a slot held by two sequences"
+        assert not set(used) & set(self._free), "a held slot is also free"
+        assert sorted(used + self._free) == list(range(self.num_slots)), "a slot lost"

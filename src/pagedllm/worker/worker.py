@@ -232,9 +232,15 @@ class Worker:
                 else "--kv-cache-memory to at least "
                 f"{-(-(peak * bytes_per_block + self.state_bytes) // 2**20)}MiB"
             )
+            state = (
+                f" (the Mamba state of --max-num-seqs {sched.max_num_seqs} sequences takes "
+                f"{self.state_bytes / 2**20:.1f} MiB of it: or lower --max-num-seqs)"
+                if self.state_bytes and cache.num_gpu_blocks_override is None
+                else ""
+            )
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks, less than one request of max_model_len "
-                f"{max_len} needs ({peak}): raise {raise_to} or lower --max-model-len"
+                f"{max_len} needs ({peak}): raise {raise_to} or lower --max-model-len{state}"
             )
         return num_blocks
 
