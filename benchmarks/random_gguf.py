@@ -17,6 +17,7 @@ written (Llama 3's "llama3" rope factors): the speed and memory are the same.
     python -m benchmarks.random_gguf /tmp/tiny.gguf --shape tiny --type Q8_0 --num-layers 4
     python -m benchmarks.random_gguf /tmp/llama-1b-untied.gguf --type Q4_K_M --untied
     python -m benchmarks.random_gguf /tmp/moe-a3b.gguf --shape moe-a3b   # Mixtral's layout
+    python -m benchmarks.random_gguf /tmp/hybrid-1b.gguf --shape hybrid-1b   # granitehybrid
 
 llama-1b writes context_length 131072 as Llama 3.2 does; the engine caps it by --max-model-len.
 """
@@ -47,6 +48,12 @@ SHAPES = {
     "moe-a3b": dict(hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=16,
                     num_kv_heads=4, rope_theta=1000000.0, rms_eps=1e-6, context_length=40960,
                     num_experts=128, experts_used=8, expert_size=768),
+    # A Granite-4.0-H-like hybrid of about 1B: 28 Mamba-2 layers (48 heads of 64, state 128)
+    # and 4 attention layers (without RoPE), a dense MLP in every layer.
+    "hybrid-1b": dict(hidden_size=1536, intermediate_size=4096, num_layers=32, num_heads=12,
+                      num_kv_heads=4, rope_theta=10000.0, rms_eps=1e-5, context_length=131072,
+                      attention_layers=(5, 13, 21, 29), mamba_heads=48, mamba_head_dim=64,
+                      mamba_state=128, mamba_groups=1, mamba_conv=4),
     # Its dense twin: one MLP of the 8 used experts' size, the same active parameters.
     "dense-a3b": dict(hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=16,
                       num_kv_heads=4, rope_theta=1000000.0, rms_eps=1e-6, context_length=40960),
@@ -61,6 +68,7 @@ FILE_TYPES = {
 WEIGHT_STD = 0.02
 # A router's weight: F32, random (not ones, which would route every token to the same experts).
 ROUTER = "router"
+SMALL, NEGATIVE = "small", "negative"  # F32: normal x 0.1; a Mamba layer's A, in -16..-1
 CODE_STD = {Q.Q8_0: np.sqrt((256**2 - 1) / 12), Q.Q4_0: np.sqrt((16**2 - 1) / 12)}
 CODE_STD[Q.Q4_1] = CODE_STD[Q.Q4_K] = CODE_STD[Q.Q4_0]
 CODE_STD[Q.Q6_K] = np.sqrt((64**2 - 1) / 12)
@@ -89,14 +97,17 @@ def tensor_plan(
     plan = [("token_embd.weight", embedding, (vocab_size, h))]
     for i in range(n):
         p, more = f"blk.{i}.", Q.Q6_K if k_mix and more_bits(i, n) else qtype
-        plan += [
-            (p + "attn_norm.weight", Q.F32, (h,)),
-            (p + "attn_q.weight", qtype, (q, h)),
-            (p + "attn_k.weight", qtype, (kv, h)),
-            (p + "attn_v.weight", more, (kv, h)),
-            (p + "attn_output.weight", qtype, (h, q)),
-            (p + "ffn_norm.weight", Q.F32, (h,)),
-        ]
+        if "attention_layers" in shape and i not in shape["attention_layers"]:
+            plan += [(p + "attn_norm.weight", Q.F32, (h,)), *_mamba_plan(shape, p, qtype)]
+        else:
+            plan += [
+                (p + "attn_norm.weight", Q.F32, (h,)),
+                (p + "attn_q.weight", qtype, (q, h)),
+                (p + "attn_k.weight", qtype, (kv, h)),
+                (p + "attn_v.weight", more, (kv, h)),
+                (p + "attn_output.weight", qtype, (h, q)),
+            ]
+        plan.append((p + "ffn_norm.weight", Q.F32, (h,)))
         if shape.get("num_experts"):  # Mixtral's layout: stacked [experts, out, in] tensors
             e, fe = shape["num_experts"], shape["expert_size"]
             plan += [
@@ -117,8 +128,25 @@ def tensor_plan(
     return plan
 
 
+def _mamba_plan(shape: dict, p: str, qtype: Q) -> list[tuple[str, Q, tuple[int, ...]]]:
+    """A Mamba-2 layer's tensors as llama.cpp's granitehybrid files hold them."""
+    h, heads, groups = shape["hidden_size"], shape["mamba_heads"], shape["mamba_groups"]
+    inner, state = heads * shape["mamba_head_dim"], shape["mamba_state"]
+    conv_dim = inner + 2 * groups * state
+    return [
+        (p + "ssm_in.weight", qtype, (inner + conv_dim + heads, h)),
+        (p + "ssm_conv1d.weight", SMALL, (conv_dim, shape["mamba_conv"])),
+        (p + "ssm_conv1d.bias", SMALL, (conv_dim,)),
+        (p + "ssm_dt.bias", SMALL, (heads,)),
+        (p + "ssm_a", NEGATIVE, (heads, 1)),
+        (p + "ssm_d", Q.F32, (heads, 1)),
+        (p + "ssm_norm.weight", Q.F32, (groups, inner // groups)),
+        (p + "ssm_out.weight", qtype, (h, inner)),
+    ]
+
+
 def tensor_nbytes(qtype: Q, shape: tuple[int, ...]) -> int:
-    if qtype == ROUTER:
+    if qtype in (ROUTER, SMALL, NEGATIVE):
         qtype = Q.F32
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if shape[-1] % block:
@@ -132,6 +160,10 @@ def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...]) ->
     offsets -8 d) fixed so weights have std WEIGHT_STD, centred."""
     if qtype == ROUTER:
         return rng.standard_normal(shape, dtype=np.float32)
+    if qtype == SMALL:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)
+    if qtype == NEGATIVE:
+        return -rng.uniform(1, 16, shape).astype(np.float32)
     if qtype == Q.F32:
         return np.ones(shape, dtype=np.float32)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -180,14 +212,27 @@ def write_random_gguf(
     proj = PROJ_TYPES[qtype]
     if dims["hidden_size"] % dims["num_heads"] or dims["num_heads"] % dims["num_kv_heads"]:
         raise ValueError(f"heads must divide hidden_size and kv heads divide heads: {dims}")
-    w = gguf.GGUFWriter(str(path), "llama")
+    hybrid = "attention_layers" in dims
+    w = gguf.GGUFWriter(str(path), "granitehybrid" if hybrid else "llama")
     w.add_name(f"random-{shape}-{qtype.lower()}")
     w.add_block_count(dims["num_layers"])
     w.add_context_length(dims["context_length"])
     w.add_embedding_length(dims["hidden_size"])
     w.add_feed_forward_length(dims["intermediate_size"])
     w.add_head_count(dims["num_heads"])
-    w.add_head_count_kv(dims["num_kv_heads"])
+    if hybrid:  # llama.cpp's per-layer KV heads: 0 for a Mamba layer
+        w.add_head_count_kv([dims["num_kv_heads"] if i in dims["attention_layers"] else 0
+                             for i in range(dims["num_layers"])])  # fmt: skip
+        inner = dims["mamba_heads"] * dims["mamba_head_dim"]
+        w.add_ssm_conv_kernel(dims["mamba_conv"])
+        w.add_ssm_state_size(dims["mamba_state"])
+        w.add_ssm_group_count(dims["mamba_groups"])
+        w.add_ssm_inner_size(inner)
+        w.add_ssm_time_step_rank(dims["mamba_heads"])
+        w.add_expert_shared_feed_forward_length(dims["intermediate_size"])
+        w.add_rope_scaling_finetuned(False)  # no RoPE, as Granite 4.0-H
+    else:
+        w.add_head_count_kv(dims["num_kv_heads"])
     w.add_layer_norm_rms_eps(dims["rms_eps"])
     w.add_rope_freq_base(dims["rope_theta"])
     w.add_rope_dimension_count(head_dim(dims))
@@ -205,7 +250,7 @@ def write_random_gguf(
     n_params = 0
     for name, t, shp in plan:  # the tensor infos first, so data can follow one at a time
         nbytes = tensor_nbytes(t, shp)
-        if t in (Q.F32, ROUTER):
+        if t in (Q.F32, ROUTER, SMALL, NEGATIVE):
             w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes)
         else:
             rows = int(np.prod(shp[:-1]))
