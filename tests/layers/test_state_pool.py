@@ -1,0 +1,67 @@
+"""The state pool's bookkeeping (worker/state_pool.py): slots assigned to new sequences, copied
+to forks, and given back for finished requests (forks included), pruned beams and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.worker.state_pool import StatePool
+
+
+def _pool(num_slots: int = 4) -> StatePool:
+    config = ModelArchConfig(
+        architecture="GraniteMoeHybridForCausalLM", vocab_size=10, hidden_size=16,
+        intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=8, layer_types=["mamba", "full_attention", "mamba"], mamba_n_heads=2,
+        mamba_d_head=16, mamba_d_state=4,
+    )  # fmt: skip
+    return StatePool(config, num_slots, torch.float32, torch.device("cpu"))
+
+
+def test_slots_are_kept_per_sequence_and_come_back_with_their_request():
+    pool = _pool()
+    a, b = pool.slots(["r1", "r2"], [0, 0])
+    assert a != b and pool.slots(["r1", "r2"], [5, 3]) == [a, b]  # kept across steps
+    pool.fork("r1", "r1#1")
+    pool.fork("r1", "r1#2")
+    assert pool.num_used == 4
+    pool.release_requests(["r1"])  # the request and its forks, not r2
+    assert pool.num_used == 1 and pool.slots(["r2"], [4]) == [b]
+    pool.check_integrity()
+
+
+def test_a_fork_holds_a_copy_of_its_parents_state():
+    pool = _pool()
+    (parent,) = pool.slots(["r"], [0])
+    for state in pool.layers.values():
+        state.conv[parent].normal_()
+        state.ssm[parent].normal_()
+    pool.fork("r", "r#1")
+    (child,) = pool.slots(["r#1"], [7])
+    assert child != parent
+    for state in pool.layers.values():
+        assert torch.equal(state.conv[child], state.conv[parent])
+        assert torch.equal(state.ssm[child], state.ssm[parent])
+        state.ssm[child].zero_()  # a copy: the parent's is its own
+        assert state.ssm[parent].abs().sum() > 0
+    pool.fork("gone", "gone#1")  # a preempted parent holds nothing: no slot for the child
+    assert pool.num_used == 2
+
+
+def test_unscheduled_sequences_of_scheduled_requests_are_released():
+    pool = _pool()
+    pool.slots(["b", "b#1", "b#2", "other"], [0, 0, 0, 0])
+    pool.release_unscheduled(["b", "b#2"])  # b#1 was pruned; "other" is not in this step
+    assert pool.num_used == 3 and pool.slots(["other"], [9])  # others' slots are kept
+    pool.check_integrity()
+
+
+def test_a_sequence_resuming_without_state_or_past_the_slots_is_an_error():
+    pool = _pool(num_slots=1)
+    with pytest.raises(RuntimeError, match="resumes at 12 tokens without state"):
+        pool.slots(["x"], [12])
+    pool.slots(["y"], [0])
+    with pytest.raises(RuntimeError, match="no free state slot of 1"):
+        pool.slots(["z"], [0])
