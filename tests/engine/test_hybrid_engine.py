@@ -47,6 +47,7 @@ def tiny(tmp_path_factory):
 
 def make_llm(path, **kwargs):
     kwargs.setdefault("kv_cache_memory", "16MiB")  # 256 sequences' states (5 MiB) and blocks
+    kwargs.setdefault("max_num_seqs", 256)
     return LLM(model=path, dtype="float32", max_model_len=64, **kwargs)
 
 
@@ -102,9 +103,13 @@ def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_ref
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="hybrid models .* --tensor-parallel-size > 1"):
         make_llm(path, tensor_parallel_size=2)
-    # 256 sequences' states (5 MiB) do not leave room for one request's blocks in 5 MiB.
-    with pytest.raises(ValueError, match="the Mamba state of --max-num-seqs 256 .* lower --max"):
-        make_llm(path, kv_cache_memory="5MiB")
+    # An explicit --max-num-seqs is kept: 250 sequences' states (5 MiB) leave no room for one
+    # request's blocks in 5 MiB.
+    with pytest.raises(ValueError, match="the Mamba state of --max-num-seqs 250 .* lower --max"):
+        make_llm(path, kv_cache_memory="5MiB", max_num_seqs=250)
+    # Left at its default, it is lowered to the states that fill half the memory.
+    llm = make_llm(path, kv_cache_memory="2MiB")
+    assert llm.llm_engine.config.scheduler.max_num_seqs == 2**20 // per_slot
 
 
 def test_forked_seeded_samples_equal_independent_runs(tiny):

@@ -6,6 +6,7 @@ later part decides it again. Torch-free: the caller detects the device and its d
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pagedllm.config.engine_args import EngineArgs, parse_bytes
@@ -169,6 +170,9 @@ class EngineConfig:
         dtype = auto_dtype if args.dtype == "auto" else _DTYPE_NAMES.get(args.dtype, args.dtype)
         if integer:  # the activations between the integer products: float32 (docs/numerics.md)
             dtype = "float32"
+        max_num_seqs = args.max_num_seqs
+        if hybrid and kv_cache_memory is not None:
+            max_num_seqs = _hybrid_max_num_seqs(args, arch, kv_cache_memory, dtype)
         return cls(
             model=ModelConfig(
                 args.model,
@@ -197,7 +201,7 @@ class EngineConfig:
                 args.kv_allocation,
             ),  # fmt: skip
             scheduler=SchedulerConfig(
-                args.max_num_seqs,
+                max_num_seqs,
                 budget,
                 max_model_len,
                 chunked_prefill,
@@ -260,6 +264,28 @@ def _check_encoder(args: EngineArgs) -> None:
     for what, asked in refused.items():
         if asked:
             raise ValueError(f"encoder models (BERT) run on one rank with paged blocks: {what}")
+
+
+def _hybrid_max_num_seqs(
+    args: EngineArgs, arch: ModelArchConfig, kv_cache_memory: int, dtype: str
+) -> int:
+    """A hybrid model holds a Mamba state per sequence it may run (tens of MiB at 1B and up): by
+    default (max_num_seqs left at 256) as many as half the KV memory holds, so that the other
+    half is blocks; an explicit --max-num-seqs is kept (and refused at start if it leaves no
+    room for a request's blocks)."""
+    default = EngineArgs.__dataclass_fields__["max_num_seqs"].default
+    if args.max_num_seqs != default:
+        return args.max_num_seqs
+    per_seq = arch.mamba_state_bytes(2 if dtype in ("bfloat16", "float16") else 4)
+    fit = max(1, kv_cache_memory // 2 // per_seq)
+    if fit < args.max_num_seqs:
+        logging.getLogger("pagedllm").info(
+            "max_num_seqs %d for this hybrid model: each sequence's Mamba state takes %.1f MiB, "
+            "and %d of them fill half of the KV cache's memory (--kv-cache-memory, "
+            "--max-num-seqs to change)", fit, per_seq / 2**20, fit,
+        )  # fmt: skip
+        return fit
+    return args.max_num_seqs
 
 
 def _check_hybrid(args: EngineArgs) -> None:
