@@ -20,8 +20,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
-overrides = dict(arg.split("=", 1) for arg in sys.argv[1:])
-engine = LLMEngine(EngineArgs(max_model_len=2048, kv_cache_memory="1GiB", **overrides))
+overrides = {k: int(v) if v.isdigit() else v for k, v in (a.split("=", 1) for a in sys.argv[1:])}
+engine = LLMEngine(EngineArgs(**{"max_model_len": 2048, "kv_cache_memory": "1GiB", **overrides}))
 rng = np.random.default_rng(0)
 
 

@@ -67,3 +67,35 @@ def test_a_sequence_in_steps_beside_others_equals_it_in_one_step():
         parts.append(out[n:])
         done += n
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("state", [128, 20])  # whole vectors, and a tail
+def test_the_decode_kernel_equals_the_torch_step(state, monkeypatch):
+    """The C++ one-step update against layers/mamba2.py's torch step: the states within an ulp
+    (exp's own rounding may differ), y within float32 rounding (its sum adds in another order)."""
+    from pagedllm import kernels
+
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    g = torch.Generator().manual_seed(state)
+    rows, heads, head_dim = 5, 6, 16
+    ssm = torch.randn(8, heads, head_dim, state, generator=g)
+    slots = torch.tensor([3, 0, 7, 1, 5])
+    x = torch.randn(rows, heads, head_dim, generator=g)
+    dt = torch.rand(rows, heads, generator=g)
+    a = -torch.rand(heads, generator=g) * 4
+    b = torch.randn(rows, heads, state, generator=g)
+    c = torch.randn(rows, heads, state, generator=g)
+    want_h = ssm.clone()
+    want_y = torch.empty(rows, heads, head_dim)
+    for r, s in enumerate(slots.tolist()):
+        h = want_h[s] * torch.exp(dt[r] * a)[:, None, None]
+        h = h + (dt[r][:, None] * x[r])[..., None] * b[r][:, None, :]
+        want_h[s] = h
+        want_y[r] = (h * c[r][:, None, :]).sum(-1)
+    y = torch.empty(rows, heads, head_dim)
+    kernels.cpu_ops().mamba_state_update(ssm, slots, x, dt, a, b, c, y)
+    torch.testing.assert_close(ssm, want_h, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    untouched = [s for s in range(8) if s not in slots.tolist()]
+    assert torch.equal(ssm[untouched], want_h[untouched])

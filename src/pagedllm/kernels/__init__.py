@@ -29,7 +29,7 @@ SOURCES = [
     for name in ("module.cpp", "paged_attention.cpp", "kv_cache.cpp", "norm_rotary.cpp",
                  "quant_linear.cpp", "quant_int4_bf16.cpp", "dense_linear.cpp", "decoder.cpp",
                  "lora.cpp", "int8_act_linear.cpp", "int8_act_avx512_vnni.cpp",
-                 "int8_act_avx2.cpp")
+                 "int8_act_avx2.cpp", "mamba_state.cpp")
 ]  # fmt: skip
 HEADERS = [
     CSRC / name

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import kernels
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import tp_group
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -166,13 +167,22 @@ class MambaMixer2(nn.Module):
         d = self.D.float()[:, None]
         y = torch.empty_like(x)
         singles, rows = _single_rows(query_start_loc)
-        if singles:
-            idx = torch.tensor([slots[i] for i in singles], device=x.device)
-            h = state.ssm[idx]  # [B, heads, head_dim, state]
-            h = h * torch.exp(dt[rows] * a)[:, :, None, None]
-            h = h + (dt[rows][:, :, None] * x[rows])[..., None] * b[rows][:, :, None, :]
-            y[rows] = (h * c[rows][:, :, None, :]).sum(-1) + d * x[rows]
-            state.ssm.index_copy_(0, idx, h)
+        if singles and kernels.fused_cpu_ops_apply(x):  # one pass over each state, in C++
+            idx = torch.tensor([slots[i] for i in singles])
+            y_rows = torch.empty_like(x[rows])
+            kernels.cpu_ops().mamba_state_update(
+                state.ssm, idx, x[rows], dt[rows].contiguous(), a.contiguous(), b[rows],
+                c[rows], y_rows,
+            )  # fmt: skip
+            y[rows] = y_rows + d * x[rows]
+        elif singles:  # each state updated where it lies (h is MiBs a sequence: no gathered copy)
+            decay = torch.exp(dt[rows] * a)  # [B, heads]
+            dtx = (dt[rows][:, :, None] * x[rows])[..., None]  # [B, heads, head_dim, 1]
+            for j, i in enumerate(singles):
+                h = state.ssm[slots[i]]  # [heads, head_dim, state]
+                h.mul_(decay[j][:, None, None]).baddbmm_(dtx[j], b[rows[j]][:, None, :])
+                y[rows[j]] = torch.bmm(h, c[rows[j]][:, :, None])[..., 0]
+            y[rows] += d * x[rows]
         for i, slot in enumerate(slots):
             start, end = query_start_loc[i], query_start_loc[i + 1]
             if end - start == 1:

@@ -10,6 +10,7 @@ void register_decoder(pybind11::module& m);  // decoder.cpp
 void register_kv_cache(pybind11::module& m);  // kv_cache.cpp
 void register_lora(pybind11::module& m);  // lora.cpp
 void register_int8_act(pybind11::module& m);  // int8_act_linear.cpp
+void register_mamba_state(pybind11::module& m);  // mamba_state.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_paged_attention(m);
@@ -20,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_kv_cache(m);
   register_lora(m);
   register_int8_act(m);
+  register_mamba_state(m);
 }
