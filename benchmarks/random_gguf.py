@@ -218,7 +218,8 @@ def write_random_gguf(
     w.add_block_count(dims["num_layers"])
     w.add_context_length(dims["context_length"])
     w.add_embedding_length(dims["hidden_size"])
-    w.add_feed_forward_length(dims["intermediate_size"])
+    # llama.cpp's "llama" files with experts (Mixtral's) size the experts by feed_forward_length
+    w.add_feed_forward_length(dims.get("expert_size") or dims["intermediate_size"])
     w.add_head_count(dims["num_heads"])
     if hybrid:  # llama.cpp's per-layer KV heads: 0 for a Mamba layer
         w.add_head_count_kv([dims["num_kv_heads"] if i in dims["attention_layers"] else 0
