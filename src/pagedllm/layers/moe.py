@@ -111,6 +111,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if x.shape[0] == 1:  # one token (one stream's decode): no grouping to do
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for e, w in sorted(zip(ids[0].tolist(), weights[0], strict=True)):
+                out += self.experts[e](x).float() * w  # index order, as the grouped path adds
+            return self._finish(out, x)
         # Sorted by expert (stable: each expert's tokens in step order), so that each expert's
         # rows are one slice; `tokens[i]` is the row of the i-th sorted (token, expert) pair.
         flat = ids.flatten()
@@ -127,6 +132,10 @@ class SparseMoeBlock(nn.Module):
                 y = expert(x[rows])
                 out.index_add_(0, rows, y.float() * pair_weights[start : start + n])
                 start += n
+        return self._finish(out, x)
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output added, the ranks' partial sums reduced, in x's dtype."""
         if self.shared_expert is not None:
             out += self.shared_expert(x).float()
         return all_reduce(out.to(x.dtype))
