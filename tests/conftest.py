@@ -36,6 +36,17 @@ def hf_default_model():
     return load_transformers(None)  # the packaged default GGUF
 
 
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: exactly n tokens (no early end)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            attention_mask=torch.ones_like(ids),
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 def hf_chat_ids(tokenizer, question: str) -> list[int]:
     """A transformers tokenizer's token ids of a one-turn chat prompt, ready for the reply."""
     ids = tokenizer.apply_chat_template(

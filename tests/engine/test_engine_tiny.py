@@ -4,21 +4,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import runner_of, save_tiny_llama
+from tests.conftest import hf_greedy, runner_of, save_tiny_llama
 
 PROMPTS = [[5, 9, 3], [17, 4, 88, 23, 6, 70, 11, 2 + 40, 9, 1, 66], [100], list(range(10, 40))]
-
-
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        attention_mask=torch.ones_like(ids),
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,15 @@ do yet is refused with the reason."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import runner_of
-from tests.engine.test_sequence_groups import check_pool, hf_beam_search
+from tests.conftest import hf_greedy, runner_of
+from tests.engine.test_sequence_groups import (
+    check_beams_equal_hf,
+    check_forks_equal_independent_runs,
+    check_pool,
+)
+from tests.models.test_architectures import ARCHS, BASE, random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,25 +27,14 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(path, transformers model, its greedy continuation of each prompt, alone)."""
-    config = transformers.GraniteMoeHybridConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=96,
-        layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
-        mamba_n_groups=2, mamba_d_state=16, max_position_embeddings=256, initializer_range=0.1,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # never stops early
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.GraniteMoeHybridForCausalLM(config).eval()
+    # test_architectures.py's Granite hybrid with a third layer: Mamba on both sides of attention
+    config_cls, model_cls, fields = ARCHS["granite_hybrid"]
+    fields = {**BASE, **fields, "vocab_size": 128, "num_hidden_layers": 3,
+              "layer_types": ["mamba", "attention", "mamba"]}  # fmt: skip
+    hf = random_hf_model(config_cls, model_cls, fields)
     path = tmp_path_factory.mktemp("tiny-granite-hybrid")
     hf.save_pretrained(path)
-    with torch.inference_mode():
-        want = [
-            hf.generate(
-                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-            )[0, len(p) :].tolist()
-            for p in PROMPTS
-        ]  # fmt: skip
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     return str(path), hf, want
 
 
@@ -115,23 +108,7 @@ def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_ref
 def test_forked_seeded_samples_equal_independent_runs(tiny):
     """n = 3: each fork gets a copy of the prompt's state (a shared one would mix them)."""
     path, _, _ = tiny
-    llm = make_llm(path, block_size=4)
-    n, seed = 3, 77
-    params = SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
-    forked = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
-    alone = [
-        llm.generate(
-            [{"prompt_token_ids": PROMPTS[1]}],
-            SamplingParams(seed=seed + i, temperature=1.0, max_tokens=10, ignore_eos=True),
-            use_tqdm=False,
-        )[0]
-        .outputs[0]
-        .token_ids
-        for i in range(n)
-    ]
-    assert [c.token_ids for c in forked.outputs] == alone
-    assert len({tuple(t) for t in alone}) == n  # the samples differ
-    check_pool(llm)
+    check_forks_equal_independent_runs(make_llm(path, block_size=4), PROMPTS[1])
 
 
 @pytest.mark.parametrize("width", [2, 4])
@@ -139,16 +116,7 @@ def test_beam_search_equals_transformers(tiny, width):
     """Beams fork and are pruned every step: each keeps its own copy of the state."""
     path, hf, _ = tiny
     llm = make_llm(path, block_size=4)
-    prompts = [PROMPTS[2], PROMPTS[4]]
-    params = SamplingParams(n=width, use_beam_search=True, temperature=0, max_tokens=10,
-                            stop_token_ids=[2])  # fmt: skip
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs, strict=True):
-        hyps, scores = hf_beam_search(hf, prompt, width, 10, 1.0, False, [2])
-        assert [c.token_ids for c in out.outputs] == hyps
-        ours = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
-        assert ours == pytest.approx(scores, abs=1e-4)
-    check_pool(llm)
+    check_beams_equal_hf(llm, hf, [PROMPTS[2], PROMPTS[4]], width, [2])
     pool = runner_of(llm.llm_engine).state_pool
     pool.check_integrity()
     assert pool.num_used <= 2 * width  # pruned beams' slots went back

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.engine.test_sequence_groups import check_pool, hf_beam_search
+from tests.conftest import hf_greedy
+from tests.engine.test_sequence_groups import (
+    check_beams_equal_hf,
+    check_forks_equal_independent_runs,
+    check_pool,
+)
+from tests.models.test_architectures import random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,23 +43,10 @@ MODELS = {
 def tiny(request, tmp_path_factory):
     """(path, transformers model, its greedy continuation of each prompt, alone)."""
     config_cls, model_cls, extra = MODELS[request.param]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # transformers starts sinks and biases at 0
-        for name, p in hf.named_parameters():
-            if name.endswith(("sinks", "bias")):
-                p.copy_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
+    hf = random_hf_model(config_cls, model_cls, {**COMMON, **extra})
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf.save_pretrained(path)
-    with torch.inference_mode():
-        want = [
-            hf.generate(
-                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-            )[0, len(p) :].tolist()
-            for p in PROMPTS
-        ]  # fmt: skip
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     return str(path), hf, want
 
 
@@ -94,35 +87,12 @@ def test_preemption_gives_transformers_tokens(tiny, mode):
 
 def test_forked_seeded_samples_equal_independent_runs(tiny):
     path, _, _ = tiny
-    llm = make_llm(path, block_size=4)
-    n, seed = 3, 77
-    params = SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
-    forked = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
-    alone = [
-        llm.generate(
-            [{"prompt_token_ids": PROMPTS[1]}],
-            SamplingParams(seed=seed + i, temperature=1.0, max_tokens=10, ignore_eos=True),
-            use_tqdm=False,
-        )[0]
-        .outputs[0]
-        .token_ids
-        for i in range(n)
-    ]
-    assert [c.token_ids for c in forked.outputs] == alone
-    assert len({tuple(t) for t in alone}) == n  # the samples differ
-    check_pool(llm)
+    check_forks_equal_independent_runs(make_llm(path, block_size=4), PROMPTS[1])
 
 
 def test_beam_search_equals_transformers(tiny):
     path, hf, _ = tiny
-    llm = make_llm(path, block_size=4)
-    hyps, scores = hf_beam_search(hf, PROMPTS[2], 3, 10, 1.0, False, [2])
-    params = SamplingParams(n=3, use_beam_search=True, temperature=0, max_tokens=10)
-    out = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0]
-    assert [c.token_ids for c in out.outputs] == hyps
-    ours = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
-    assert ours == pytest.approx(scores, abs=1e-4)
-    check_pool(llm)
+    check_beams_equal_hf(make_llm(path, block_size=4), hf, [PROMPTS[2]], 3, [2])
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(tiny):
@@ -141,11 +111,12 @@ def test_attention_adapters_apply_and_expert_adapters_are_refused(tiny, tmp_path
     from safetensors.torch import save_file
 
     from pagedllm import LoRARequest
-    from tests.lora.conftest import hf_greedy, make_adapter
+    from tests.lora.conftest import hf_greedy as hf_greedy_logprobs
+    from tests.lora.conftest import make_adapter
 
     path, hf, want = tiny
     peft_model = make_adapter(hf, tmp_path / "attn", ["q_proj", "v_proj", "o_proj"])
-    expected = hf_greedy(peft_model, PROMPTS[0], NEW_TOKENS)[0]
+    expected = hf_greedy_logprobs(peft_model, PROMPTS[0], NEW_TOKENS)[0]
     assert expected != want[0]  # the adapter changes the tokens
     llm = make_llm(path, block_size=4, enable_lora=True)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -152,6 +152,32 @@ def hf_beam_search(model, prompt, k, max_tokens, length_penalty, early_stopping,
     return hyps, out.sequences_scores.tolist()
 
 
+def check_forks_equal_independent_runs(llm, prompt: list[int], n: int = 3, seed: int = 77):
+    """n seeded samples forked off one prompt equal n requests seeded seed, seed + 1, ... (and
+    differ from each other); the pool is whole after."""
+    params = SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
+    forked = generate(llm, [prompt], params)[0]
+    alone = [
+        generate(llm, [prompt], SamplingParams(
+            seed=seed + i, temperature=1.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+        for i in range(n)
+    ]  # fmt: skip
+    assert [c.token_ids for c in forked.outputs] == alone
+    assert len({tuple(t) for t in alone}) == n  # the samples differ
+
+
+def check_beams_equal_hf(llm, model, prompts: list[list[int]], width: int, stop: list[int]):
+    """Beam search of width `width` (10 tokens) on each prompt, batched: transformers' beams and
+    scores (length penalty 1); the pool is whole after."""
+    params = SamplingParams(n=width, use_beam_search=True, temperature=0, max_tokens=10,
+                            stop_token_ids=stop)  # fmt: skip
+    for prompt, out in zip(prompts, generate(llm, prompts, params), strict=True):
+        hyps, scores = hf_beam_search(model, prompt, width, 10, 1.0, False, stop)
+        assert [c.token_ids for c in out.outputs] == hyps
+        ours = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
+        assert ours == pytest.approx(scores, abs=1e-4)
+
+
 BEAM_CASES = [  # prompt, width, length_penalty, early_stopping, extra stop token ids
     ("eos", 2, 1.0, False, []),
     ("eos", 3, 1.0, "never", []),

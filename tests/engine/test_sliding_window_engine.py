@@ -12,6 +12,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import NULL_BLOCK
 from pagedllm.core.kv_cache_spec import cdiv
 from pagedllm.engine.llm_engine import LLMEngine
+from tests.conftest import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +33,7 @@ def model_dir(tmp_path_factory):
     hf = transformers.Qwen2ForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("qwen2_sliding")
     hf.save_pretrained(path)
-    with torch.inference_mode():
-        expected = [
-            hf.generate(
-                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-            )[0, len(p) :].tolist()
-            for p in PROMPTS
-        ]  # fmt: skip
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     return path, expected
 
 

@@ -161,22 +161,28 @@ def _inference_mode():
         yield
 
 
-@functools.cache
-def hf_reference(name: str):
-    """(hf model, [(greedy tokens, per-step logits)] per prompt), each prompt generated alone."""
-    config_cls, model_cls, overrides = ARCHS[name]
-    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+def random_hf_model(config_cls: str, model_cls: str, fields: dict):
+    """A transformers model of random weights (seed 0). It starts norms at 1 and biases and
+    attention sinks at 0: those are randomised too, so that loading them is tested."""
+    config = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(config).eval()
-    # HF initialises norms to 1 and biases to 0: randomise them so loading them is tested.
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if pname.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif pname.endswith(("bias", "sinks")):
-                p.copy_(
-                    0.1 * torch.randn_like(p) if pname.endswith("bias") else torch.randn_like(p)
-                )
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif pname.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
+    return hf
+
+
+@functools.cache
+def hf_reference(name: str):
+    """(hf model, [(greedy tokens, per-step logits)] per prompt), each prompt generated alone."""
+    config_cls, model_cls, overrides = ARCHS[name]
+    hf = random_hf_model(config_cls, model_cls, {**BASE, **overrides})
     expected = []
     for prompt in PROMPTS:
         out = hf.generate(
