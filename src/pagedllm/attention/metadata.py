@@ -9,6 +9,7 @@ context, and decode (q_len == 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,9 +55,10 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
 
-    @property
+    @functools.cached_property
     def fresh(self) -> list[bool]:
-        """Per request: nothing computed before this step (a recurrent state starts at zero)."""
+        """Per request: nothing computed before this step (a recurrent state starts at zero);
+        once a step, for all the Mamba layers."""
         qsl = self.query_start_loc_cpu
         return [n == qsl[i + 1] - qsl[i] for i, n in enumerate(self.seq_lens_cpu)]
 
