@@ -32,7 +32,7 @@ class KVMemoryReport:
     request_bytes_no_window: int  # the same if every layer kept every token
     spec: KVCacheSpec
     request_blocks: int  # pagedllm blocks one such request holds while decoding
-    state_bytes: int = 0  # a hybrid model's Mamba state per sequence, whatever its length
+    state_bytes: int = 0  # a hybrid model's recurrent state per sequence, whatever its length
 
     @property
     def num_requests(self) -> int:
@@ -59,10 +59,10 @@ def kv_memory_report(
     elem = DTYPE_BYTES[dtype]
     scale = SCALE_BYTES if elem == 1 else 0  # one-byte codes carry a scale per row
     per_layer = 2 * config.num_key_value_heads * (config.head_dim * elem + scale)
-    windows = [  # the attention layers' (a Mamba layer keeps a state instead)
+    windows = [  # the attention layers' (a recurrent layer keeps a state instead)
         config.layer_sliding_window(i)
         for i in range(config.num_hidden_layers)
-        if not config.is_mamba_layer(i)
+        if not config.is_recurrent_layer(i)
     ]
     num_full = sum(w is None for w in windows)
     request = sum(per_layer * (n if w is None else min(n, w)) for w in windows)
@@ -79,7 +79,7 @@ def kv_memory_report(
         request_bytes_no_window=per_layer * len(windows) * n,
         spec=spec,
         request_blocks=spec.max_num_blocks(n),
-        state_bytes=config.mamba_state_bytes(elem),
+        state_bytes=config.recurrent_state_bytes(elem),
     )
 
 
@@ -95,8 +95,8 @@ def format_report(r: KVMemoryReport) -> str:
     windows = sorted({w for i in range(c.num_hidden_layers) if (w := c.layer_sliding_window(i))})
     num_sliding = sum(c.layer_sliding_window(i) is not None for i in range(c.num_hidden_layers))
     layers = f"{c.num_hidden_layers} layers"
-    if c.num_mamba_layers:
-        layers += f" ({c.num_mamba_layers} Mamba-2)"
+    if c.num_recurrent_layers:
+        layers += f" ({c.num_recurrent_layers} {c.recurrent_layer_name})"
     if num_sliding:
         layers += (
             f" ({c.num_hidden_layers - num_sliding} full attention, {num_sliding} sliding window "
@@ -128,6 +128,8 @@ def format_report(r: KVMemoryReport) -> str:
         f"{r.num_requests}",
     ]
     if r.state_bytes:  # before the last line, which counts it
-        state = f"Mamba state per sequence ({c.num_mamba_layers} layers, any length): "
+        state = (
+            f"{c.recurrent_kind} state per sequence ({c.num_recurrent_layers} layers, any length): "
+        )
         lines.insert(-1, state + f"{_size(r.state_bytes)}; the server holds --max-num-seqs")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.mamba2 import MambaMixer2, MambaState, ssd_scan, ssm_scan_reference
+from pagedllm.layers.mamba2 import MambaMixer2, RecurrentState, ssd_scan, ssm_scan_reference
 
 
 @pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200])
@@ -43,8 +43,8 @@ def _mixer(seed: int = 0) -> MambaMixer2:
     return mixer
 
 
-def _pool(mixer: MambaMixer2, slots: int) -> MambaState:
-    return MambaState(
+def _pool(mixer: MambaMixer2, slots: int) -> RecurrentState:
+    return RecurrentState(
         torch.full((slots, mixer.conv_dim, mixer.kernel - 1), float("nan")),
         torch.full((slots, mixer.num_heads, mixer.head_dim, mixer.state_size), float("nan")),
     )

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import head_shard
-from pagedllm.layers.mamba2 import MambaState
+from pagedllm.layers.mamba2 import RecurrentState
 
 
 @dataclass
@@ -35,13 +35,13 @@ class PagedRunner:
         shape = (num_blocks, block_size, head_shard(c).num_kv_heads, c.head_dim)
         # NaN-filled: reading a slot nobody wrote turns the logits into NaN. A Mamba layer's
         # "cache" is its state pool, a slot per request (NaN too: a fresh one is zeroed).
-        conv, ssm = c.mamba_state_shapes
+        conv, ssm = c.recurrent_state_shapes
         self.kv_caches = [
-            MambaState(
+            RecurrentState(
                 torch.full((8, *conv), float("nan"), dtype=model.dtype),
                 torch.full((8, *ssm), float("nan")),
             )
-            if c.is_mamba_layer(i)
+            if c.is_recurrent_layer(i)
             else (
                 torch.full(shape, float("nan"), dtype=model.dtype),
                 torch.full(shape, float("nan"), dtype=model.dtype),

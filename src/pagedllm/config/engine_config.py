@@ -139,7 +139,7 @@ class EngineConfig:
         args.validate()
         if arch.is_encoder:
             _check_encoder(args)
-        hybrid = arch.num_mamba_layers > 0
+        hybrid = arch.num_recurrent_layers > 0
         if hybrid:
             _check_hybrid(args)
         max_model_len = _max_model_len(args.max_model_len, arch.max_position_embeddings)
@@ -269,27 +269,27 @@ def _check_encoder(args: EngineArgs) -> None:
 def _hybrid_max_num_seqs(
     args: EngineArgs, arch: ModelArchConfig, kv_cache_memory: int, dtype: str
 ) -> int:
-    """A hybrid model holds a Mamba state per sequence it may run (tens of MiB at 1B and up): by
+    """A hybrid model holds a recurrent state per sequence it may run (tens of MiB at 1B and up): by
     default (max_num_seqs left at 256) as many as half the KV memory holds, so that the other
     half is blocks; an explicit --max-num-seqs is kept (and refused at start if it leaves no
     room for a request's blocks)."""
     default = EngineArgs.__dataclass_fields__["max_num_seqs"].default
     if args.max_num_seqs != default:
         return args.max_num_seqs
-    per_seq = arch.mamba_state_bytes(2 if dtype in ("bfloat16", "float16") else 4)
+    per_seq = arch.recurrent_state_bytes(2 if dtype in ("bfloat16", "float16") else 4)
     fit = max(1, kv_cache_memory // 2 // per_seq)
     if fit < args.max_num_seqs:
         logging.getLogger("pagedllm").info(
-            "max_num_seqs %d for this hybrid model: each sequence's Mamba state takes %.1f MiB, "
+            "max_num_seqs %d for this hybrid model: each sequence's %s state takes %.1f MiB, "
             "and %d of them fill half of the KV cache's memory (--kv-cache-memory, "
-            "--max-num-seqs to change)", fit, per_seq / 2**20, fit,
+            "--max-num-seqs to change)", fit, arch.recurrent_kind, per_seq / 2**20, fit,
         )  # fmt: skip
         return fit
     return args.max_num_seqs
 
 
 def _check_hybrid(args: EngineArgs) -> None:
-    """What a hybrid model (Mamba-2 layers: a recurrent state per sequence) cannot do yet:
+    """What a hybrid model (recurrent layers: a state per sequence) cannot do yet:
     drafts that may be rejected (the state cannot step back), and its layers on several ranks."""
     refused = {
         "--speculative-config": args.speculative_config is not None,
@@ -298,7 +298,7 @@ def _check_hybrid(args: EngineArgs) -> None:
     }
     for what, asked in refused.items():
         if asked:
-            raise ValueError(f"hybrid models (Mamba-2 layers) do not support {what} yet")
+            raise ValueError(f"hybrid models (recurrent layers) do not support {what} yet")
 
 
 def _lora(args: EngineArgs) -> LoRAConfig | None:

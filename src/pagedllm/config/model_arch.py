@@ -84,8 +84,10 @@ class ModelArchConfig:
     attention_sinks: bool = False
     # False: attention without positions (Granite 4.0-H: its Mamba-2 layers carry the order).
     use_rope: bool = True
-    # Hybrid models (Granite 4.0-H): layer_types[i] == "mamba" makes layer i a Mamba-2 mixer,
-    # which keeps a fixed-size recurrent state per sequence instead of K/V (layers/mamba2.py).
+    # Hybrid models: layer_types[i] == "mamba" makes layer i a Mamba-2 mixer (Granite 4.0-H,
+    # layers/mamba2.py), "linear_attention" a Gated DeltaNet (Qwen3-Next / Qwen3.5,
+    # layers/gated_deltanet.py): each keeps a fixed-size recurrent state per sequence instead
+    # of K/V (a model has one kind).
     mamba_expand: int = 2
     mamba_n_heads: int = 0
     mamba_d_head: int = 0
@@ -95,18 +97,54 @@ class ModelArchConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # llama.cpp's Qwen3.5 files order the value heads tiled ([k0, k1, .., k0, k1, ..]: value
+    # head j reads key head j % key heads), HF's grouped (j // (value heads / key heads)).
+    linear_value_heads_tiled: bool = False
+    # Qwen3-Next / Qwen3.5: q_proj also gives a per-head output gate (q and gate interleaved
+    # head by head), the attention output multiplied by its sigmoid; norms weighted by (1 + w)
+    # (as loaded: norm_weight_offset is added to each checkpoint norm weight); a shared expert
+    # scaled by sigmoid(shared_expert_gate(x)).
+    attn_output_gate: bool = False
+    norm_weight_offset: float = 0.0
+    shared_expert_gate: bool = False
 
-    def is_mamba_layer(self, layer_idx: int) -> bool:
-        return self.layer_types is not None and self.layer_types[layer_idx] == "mamba"
+    def is_recurrent_layer(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] in (
+            "mamba",
+            "linear_attention",
+        )
 
     @property
-    def num_mamba_layers(self) -> int:
-        return sum(self.is_mamba_layer(i) for i in range(self.num_hidden_layers))
+    def num_recurrent_layers(self) -> int:
+        return sum(self.is_recurrent_layer(i) for i in range(self.num_hidden_layers))
 
     @property
-    def mamba_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """(conv, ssm) shapes of one sequence's state in one Mamba layer: the convolution's
-        last d_conv - 1 inputs [conv_dim, d_conv - 1], and h [heads, head_dim, d_state]."""
+    def recurrent_kind(self) -> str:
+        """What its recurrent layers' state is called: "Mamba" or "Gated DeltaNet"."""
+        return "Gated DeltaNet" if self.linear_num_value_heads else "Mamba"
+
+    @property
+    def recurrent_layer_name(self) -> str:
+        return "Gated DeltaNet" if self.linear_num_value_heads else "Mamba-2"
+
+    @property
+    def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv, ssm) shapes of one sequence's state in one recurrent layer: the convolution's
+        last kernel - 1 inputs [conv_dim, kernel - 1], and the recurrent state: Mamba-2's h
+        [heads, head_dim, d_state], a Gated DeltaNet's S [value heads, key dim, value dim]."""
+        if self.linear_num_value_heads:
+            key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+            value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+            return (2 * key_dim + value_dim, self.linear_conv_kernel_dim - 1), (
+                self.linear_num_value_heads,
+                self.linear_key_head_dim,
+                self.linear_value_head_dim,
+            )
         conv_dim = (
             self.mamba_expand * self.hidden_size + 2 * self.mamba_n_groups * self.mamba_d_state
         )
@@ -116,11 +154,11 @@ class ModelArchConfig:
             self.mamba_d_state,
         )
 
-    def mamba_state_bytes(self, dtype_bytes: int) -> int:
-        """One sequence's state over all Mamba layers: the conv inputs of dtype_bytes each, h in
-        float32."""
-        (c, k), (h, p, n) = self.mamba_state_shapes
-        return self.num_mamba_layers * (c * k * dtype_bytes + h * p * n * 4)
+    def recurrent_state_bytes(self, dtype_bytes: int) -> int:
+        """One sequence's state over all recurrent layers: the conv inputs of dtype_bytes each,
+        the recurrent state in float32."""
+        (c, k), (h, p, n) = self.recurrent_state_shapes
+        return self.num_recurrent_layers * (c * k * dtype_bytes + h * p * n * 4)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx`'s MLP is a mixture of experts (Qwen3-MoE's rule)."""

@@ -58,10 +58,12 @@ class KVCacheSpec:
     ):
         kinds: dict[int | None, list[int]] = {}
         for layer in range(config.num_hidden_layers):
-            if not config.is_mamba_layer(layer):  # a Mamba layer keeps a state, not K/V
+            if not config.is_recurrent_layer(layer):  # a recurrent layer keeps a state, not K/V
                 kinds.setdefault(config.layer_sliding_window(layer), []).append(layer)
         if not kinds:
-            raise ValueError("a model without attention layers (only Mamba) is not supported")
+            raise ValueError(
+                "a model without attention layers (only recurrent layers) is not supported"
+            )
         # Group size: the smallest kind's layer count, so that kind fills one group exactly;
         # a larger kind's last group may be short (its unused slots are the price of sharing).
         size = min(len(layers) for layers in kinds.values())

@@ -33,7 +33,7 @@ from pagedllm.layers.quantization import QuantizationConfig
 
 
 @dataclass
-class MambaState:
+class RecurrentState:
     """One layer's state pool: conv [slots, conv_dim, kernel - 1] (the model's dtype) and ssm
     [slots, heads, head_dim, state_size] (float32)."""
 
@@ -109,7 +109,7 @@ class MambaMixer2(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        state: MambaState,
+        state: RecurrentState,
         slots: list[int],
         query_start_loc: list[int],
         fresh: list[bool],
@@ -134,7 +134,7 @@ class MambaMixer2(nn.Module):
         y = self._scan(x, b, c, dt, state, slots, query_start_loc)
         return self.out_proj(self.norm(y.to(hidden_states.dtype), z))
 
-    def _conv(self, xbc, state: MambaState, slots, query_start_loc) -> torch.Tensor:
+    def _conv(self, xbc, state: RecurrentState, slots, query_start_loc) -> torch.Tensor:
         """silu(causal depthwise conv1d), each sequence continuing from its conv state, which is
         left holding its last kernel - 1 inputs. Single-token rows together."""
         weight, bias = self.conv1d.weight, self.conv1d.bias
@@ -156,7 +156,7 @@ class MambaMixer2(nn.Module):
             state.conv[slot].copy_(seq[:, seq.shape[1] - (self.kernel - 1) :])
         return out
 
-    def _scan(self, x, b, c, dt, state: MambaState, slots, query_start_loc) -> torch.Tensor:
+    def _scan(self, x, b, c, dt, state: RecurrentState, slots, query_start_loc) -> torch.Tensor:
         """The selective scan in float32; y [T, inner]. Single-token rows (decode) update their
         states together; a prompt chunk is scanned in chunks of CHUNK tokens (ssd_scan)."""
         heads, group = self.num_heads, self.num_heads // self.n_groups

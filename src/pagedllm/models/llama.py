@@ -135,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if config.is_mamba_layer(layer_idx):  # a hybrid model's recurrent layer
+        if config.is_recurrent_layer(layer_idx):  # a hybrid model's recurrent layer
             self.mamba = MambaMixer2(config, dtype, quant_config, f"{prefix}.mamba")
         else:
             self.self_attn = LlamaAttention(
@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
             raise NotFusable(f"{type(self.model).__name__} layers")
         if self.config.num_experts:
             raise NotFusable("mixture-of-experts layers")
-        if self.config.num_mamba_layers:
+        if self.config.num_recurrent_layers:
             raise NotFusable("Mamba-2 layers")
         return FusedDecoder(self.model, self.config)
 

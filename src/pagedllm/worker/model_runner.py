@@ -57,7 +57,7 @@ class ModelRunner:
         self.lora = lora  # the model's LoRA slots (--enable-lora)
         self.fused = fused  # the decoder as one C++ call, for the steps it applies to (CPU)
         self.kv_cache: KVCache | None = None
-        self.state_pool: StatePool | None = None  # a hybrid model's Mamba states
+        self.state_pool: StatePool | None = None  # a hybrid model's recurrent states
         # Block copies (copy-on-write, swap) run on the attention backend's kernels.
         self._copy_blocks = get_attention_backend(attention_backend, device).copy_blocks
 
@@ -72,13 +72,13 @@ class ModelRunner:
     def initialize_kv_cache(
         self, num_blocks: int, num_cpu_blocks: int = 0, num_state_slots: int = 0
     ) -> None:
-        """The KV pool, and for a hybrid model `num_state_slots` slots of Mamba state."""
+        """The KV pool, and for a hybrid model `num_state_slots` slots of recurrent state."""
         self.kv_cache = self.state_pool = None  # the old pools go before the new ones
         self.kv_cache = KVCache(
             self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, num_cpu_blocks,
             self.cache_dtype, self.device, self._copy_blocks,
         )  # fmt: skip
-        if self.config.num_mamba_layers:
+        if self.config.num_recurrent_layers:
             self.state_pool = StatePool(self.config, num_state_slots, self.model.dtype, self.device)
 
     @torch.inference_mode()
@@ -95,7 +95,7 @@ class ModelRunner:
                                         [num_tokens], [num_tokens])  # fmt: skip
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         layers = cache.layers
-        if self.config.num_mamba_layers:  # one throw-away slot of state
+        if self.config.num_recurrent_layers:  # one throw-away slot of state
             states = StatePool(self.config, 1, self.model.dtype, dev)
             meta.state_slots = [0]
             layers = [states.layers.get(i, c) for i, c in enumerate(layers)]
@@ -253,7 +253,7 @@ class ModelRunner:
                 self.lora.load(slot, lora_request)
             self.lora.set_mapping(step.lora_slots)
         layers = kv.layers
-        if self.state_pool is not None:  # a Mamba layer's "cache" is its state pool
+        if self.state_pool is not None:  # a recurrent layer's "cache" is its state pool
             meta.state_slots = step.state_slots.tolist()
             layers = [self.state_pool.layers.get(i, c) for i, c in enumerate(layers)]
         try:

@@ -1,5 +1,5 @@
 """A hybrid model's recurrent state in memory: for each Mamba layer, a pool of state slots
-(layers/mamba2.py's MambaState), one slot per running sequence, assigned by the runner as
+(layers/mamba2.py's RecurrentState), one slot per running sequence, assigned by the runner as
 sequences arrive and freed as they finish or are preempted (a preempted sequence recomputes
 its prompt from a fresh slot). max_num_seqs slots: the scheduler never runs more sequences."""
 
@@ -8,21 +8,21 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.mamba2 import MambaState
+from pagedllm.layers.mamba2 import RecurrentState
 
 
 class StatePool:
     def __init__(
         self, config: ModelArchConfig, num_slots: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        conv, ssm = config.mamba_state_shapes
+        conv, ssm = config.recurrent_state_shapes
         self.layers = {
-            i: MambaState(
+            i: RecurrentState(
                 torch.zeros((num_slots, *conv), dtype=dtype, device=device),
                 torch.zeros((num_slots, *ssm), dtype=torch.float32, device=device),
             )
             for i in range(config.num_hidden_layers)
-            if config.is_mamba_layer(i)
+            if config.is_recurrent_layer(i)
         }
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))

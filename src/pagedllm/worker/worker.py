@@ -183,13 +183,15 @@ class Worker:
 
     @property
     def state_bytes(self) -> int:
-        """A hybrid model's Mamba state, a slot per sequence the scheduler may run: taken from
+        """A hybrid model's recurrent state, a slot per sequence the scheduler may run: taken from
         the KV cache's memory budget first."""
         config = self.model_runner.config
-        if not config.num_mamba_layers:
+        if not config.num_recurrent_layers:
             return 0
         _, sched = self._cache_configs
-        return sched.max_num_seqs * config.mamba_state_bytes(self.model_runner.model.dtype.itemsize)
+        return sched.max_num_seqs * config.recurrent_state_bytes(
+            self.model_runner.model.dtype.itemsize
+        )
 
     def num_kv_blocks(self) -> int:
         """Blocks of this rank's pool: the memory budget (profiled on a GPU) or the override;
@@ -219,10 +221,11 @@ class Worker:
             stored, spec.describe(), max_len, blocks_per_request,
             blocks_per_request * bytes_per_block / 2**20, num_blocks / blocks_per_request,
         )  # fmt: skip
+        arch = self.model_runner.config
         if self.state_bytes:
             logger.info(
-                "Mamba state: %d slots (max_num_seqs) x %d layers, %.1f MiB of the KV cache's "
-                "memory", sched.max_num_seqs, self.model_runner.config.num_mamba_layers,
+                "%s state: %d slots (max_num_seqs) x %d layers, %.1f MiB of the KV cache's "
+                "memory", arch.recurrent_kind, sched.max_num_seqs, arch.num_recurrent_layers,
                 self.state_bytes / 2**20,
             )  # fmt: skip
         if num_blocks < peak:
@@ -233,7 +236,8 @@ class Worker:
                 f"{-(-(peak * bytes_per_block + self.state_bytes) // 2**20)}MiB"
             )
             state = (
-                f" (the Mamba state of --max-num-seqs {sched.max_num_seqs} sequences takes "
+                f" (the {arch.recurrent_kind} state of --max-num-seqs {sched.max_num_seqs} "
+                "sequences takes "
                 f"{self.state_bytes / 2**20:.1f} MiB of it: or lower --max-num-seqs)"
                 if self.state_bytes and cache.num_gpu_blocks_override is None
                 else ""
