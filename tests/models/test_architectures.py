@@ -128,6 +128,59 @@ ARCHS = {
             residual_multiplier=0.5,
         ),  # fmt: skip
     ),
+    # Gated DeltaNet (2 key heads, 4 value heads) before gated attention with partial RoPE, (1 +
+    # w) norms; experts beside a gated shared expert (Qwen3-Next, Qwen3.5-MoE) or a dense MLP.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),  # fmt: skip
+    ),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                mrope_section=[2, 1, 1],
+                mrope_interleaved=True,
+            ),
+        ),  # fmt: skip
+    ),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            head_dim=16,
+            layer_types=["full_attention", "linear_attention"],
+            linear_num_key_heads=4,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),  # fmt: skip
+    ),
     # Sinks, biases, alternating sliding / full layers, YaRN with a small original context.
     "gpt_oss": (
         "GptOssConfig",
@@ -217,7 +270,8 @@ def load(name: str, source: str, tmp_path):
 # Not qwen2_sliding from GGUF: llama.cpp's converter stores no Qwen2 sliding window (nor layer
 # types), so such a file holds a full-attention model; nor a dense layer among experts.
 HF_ONLY = ("qwen2_sliding", "qwen3_moe_dense_layer", "gpt_oss", "granite_hybrid",
-           "granite_hybrid_rope", "granite_hybrid_moe")  # fmt: skip
+           "granite_hybrid_rope", "granite_hybrid_moe", "qwen3_next", "qwen3_5",
+           "qwen3_5_moe")  # fmt: skip
 CASES = [
     (n, s) for n in sorted(ARCHS) for s in ("hf_dir", "gguf") if (s, n in HF_ONLY) != ("gguf", True)
 ]

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from pagedllm import kernels
+from pagedllm.layers.weight_utils import check_shape
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +16,20 @@ class RMSNorm(nn.Module):
     stream), as vLLM's fused_add_rms_norm. On CPU both run as one C++ call (pagedllm.kernels)
     that rounds where this torch code rounds."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype | None = None,
+        weight_offset: float = 0.0,
+    ):
+        """weight_offset: added to the checkpoint's weight as it loads (Qwen3-Next stores its
+        norms' weights as offsets from 1 and applies 1 + w, in float32 before rounding)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        if weight_offset:
+            self.weight.weight_loader = functools.partial(_load_offset, offset=weight_offset)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -43,6 +56,11 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _load_offset(param: nn.Parameter, loaded: torch.Tensor, shard_id=None, *, offset: float):
+    check_shape(loaded, tuple(param.shape))
+    param.data.copy_(loaded.float() + offset)
 
 
 class GemmaRMSNorm(nn.Module):

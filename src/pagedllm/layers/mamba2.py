@@ -19,8 +19,6 @@ state space duality computes it), checked against the token-by-token recurrence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,24 +28,7 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import tp_group
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import QuantizationConfig
-
-
-@dataclass
-class RecurrentState:
-    """One layer's state pool: conv [slots, conv_dim, kernel - 1] (the model's dtype) and ssm
-    [slots, heads, head_dim, state_size] (float32)."""
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
-
-
-class _Conv1d(nn.Module):
-    """The depthwise convolution's parameters, named as nn.Conv1d's ([channels, 1, kernel])."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), False)
-        self.bias = nn.Parameter(torch.empty(channels, dtype=dtype), False) if bias else None
+from pagedllm.layers.recurrent import Conv1d, RecurrentState, causal_conv, reset_fresh, single_rows
 
 
 class GatedRMSNorm(nn.Module):
@@ -95,7 +76,7 @@ class MambaMixer2(nn.Module):
             hidden, self.inner + self.conv_dim + self.num_heads, bias, dtype, quant_config,
             f"{prefix}.in_proj",
         )  # fmt: skip
-        self.conv1d = _Conv1d(self.conv_dim, self.kernel, config.mamba_conv_bias, dtype)
+        self.conv1d = Conv1d(self.conv_dim, self.kernel, config.mamba_conv_bias, dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
@@ -119,11 +100,8 @@ class MambaMixer2(nn.Module):
         where fresh[i])."""
         proj = self.in_proj(hidden_states)
         z, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        for i, slot in enumerate(slots):
-            if fresh[i]:
-                state.conv[slot].zero_()
-                state.ssm[slot].zero_()
-        xbc = self._conv(xbc, state, slots, query_start_loc)
+        reset_fresh(state, slots, fresh)
+        xbc = causal_conv(xbc, self.conv1d, state, slots, query_start_loc)
         x, b, c = xbc.split(
             [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1
         )
@@ -133,28 +111,6 @@ class MambaMixer2(nn.Module):
             dt = dt.clamp(lo, hi)
         y = self._scan(x, b, c, dt, state, slots, query_start_loc)
         return self.out_proj(self.norm(y.to(hidden_states.dtype), z))
-
-    def _conv(self, xbc, state: RecurrentState, slots, query_start_loc) -> torch.Tensor:
-        """silu(causal depthwise conv1d), each sequence continuing from its conv state, which is
-        left holding its last kernel - 1 inputs. Single-token rows together."""
-        weight, bias = self.conv1d.weight, self.conv1d.bias
-        out = torch.empty_like(xbc)
-        singles, rows = _single_rows(query_start_loc)
-        if singles:  # [B, channels, kernel]: the state then the new input
-            idx = torch.tensor([slots[i] for i in singles], device=xbc.device)
-            seq = torch.cat([state.conv[idx], xbc[rows, :, None].to(state.conv.dtype)], dim=2)
-            y = (seq.to(weight.dtype) * weight[:, 0]).sum(-1)
-            out[rows] = F.silu(y if bias is None else y + bias).to(out.dtype)
-            state.conv.index_copy_(0, idx, seq[:, :, 1:])
-        for i, slot in enumerate(slots):
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            if end - start == 1:
-                continue
-            seq = torch.cat([state.conv[slot], xbc[start:end].T.to(state.conv.dtype)], dim=1)
-            y = F.conv1d(seq[None].to(weight.dtype), weight, bias, groups=self.conv_dim)[0]
-            out[start:end] = F.silu(y).T.to(out.dtype)
-            state.conv[slot].copy_(seq[:, seq.shape[1] - (self.kernel - 1) :])
-        return out
 
     def _scan(self, x, b, c, dt, state: RecurrentState, slots, query_start_loc) -> torch.Tensor:
         """The selective scan in float32; y [T, inner]. Single-token rows (decode) update their
@@ -166,7 +122,7 @@ class MambaMixer2(nn.Module):
         a = -torch.exp(self.A_log.float())
         d = self.D.float()[:, None]
         y = torch.empty_like(x)
-        singles, rows = _single_rows(query_start_loc)
+        singles, rows = single_rows(query_start_loc)
         if singles and kernels.fused_cpu_ops_apply(x):  # one pass over each state, in C++
             idx = torch.tensor([slots[i] for i in singles])
             y_rows = torch.empty_like(x[rows])
@@ -195,13 +151,6 @@ class MambaMixer2(nn.Module):
 
 
 CHUNK = 64  # tokens scanned at once: a [CHUNK, CHUNK, heads] decay matrix
-
-
-def _single_rows(query_start_loc: list[int]) -> tuple[list[int], list[int]]:
-    """(the sequences with one row this step, their rows)."""
-    singles = [i for i in range(len(query_start_loc) - 1)
-               if query_start_loc[i + 1] - query_start_loc[i] == 1]  # fmt: skip
-    return singles, [query_start_loc[i] for i in singles]
 
 
 def ssd_scan(x, b, c, dt, a, h, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:

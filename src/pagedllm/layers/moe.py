@@ -95,6 +95,10 @@ class SparseMoeBlock(nn.Module):
                 config, dtype, quant_config, f"{prefix}.shared_expert",
                 config.shared_expert_intermediate_size,
             )  # fmt: skip
+        # Qwen3-Next's: the shared expert scaled by sigmoid of its own one-row router.
+        self.shared_expert_gate = (
+            Router(1, config.hidden_size, False, dtype) if config.shared_expert_gate else None
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): the softmax (in float32) of the router's
@@ -137,5 +141,8 @@ class SparseMoeBlock(nn.Module):
     def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output added, the ranks' partial sums reduced, in x's dtype."""
         if self.shared_expert is not None:
-            out += self.shared_expert(x).float()
+            shared = self.shared_expert(x).float()
+            if self.shared_expert_gate is not None:
+                shared *= torch.sigmoid(self.shared_expert_gate(x).float())
+            out += shared
         return all_reduce(out.to(x.dtype))

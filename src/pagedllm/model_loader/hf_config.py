@@ -18,7 +18,8 @@ from pagedllm.model_loader.chat_template import ChatTemplateSecurityError
 from pagedllm.model_loader.tokenizer import Tokenizer
 from pagedllm.models.registry import supported_architectures
 
-# config.json keys every supported architecture needs, as positive integers.
+# config.json keys every supported architecture needs, as positive integers (intermediate_size
+# but where every MLP is experts: Qwen3.5-MoE).
 _REQUIRED_INTS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
 )  # fmt: skip
@@ -42,7 +43,8 @@ def read_json(path: Path, kind: type = dict) -> Any:
 
 
 def _check_config(cfg: dict) -> None:
-    missing = [k for k in _REQUIRED_INTS if k not in cfg]
+    missing = [k for k in _REQUIRED_INTS if k not in cfg
+               and not (k == "intermediate_size" and cfg.get("moe_intermediate_size"))]  # fmt: skip
     if missing:
         raise ValueError(f"lacks the required key(s) {', '.join(missing)}")
     for key in _REQUIRED_INTS + _OPTIONAL_INTS:
@@ -175,6 +177,46 @@ def _granite_hybrid_fields(cfg: dict) -> dict:
     }
 
 
+_QWEN3_NEXT_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+
+
+def _qwen3_next_fields(arch: str, cfg: dict) -> dict:
+    """Qwen3-Next and Qwen3.5: Gated DeltaNet layers ("linear_attention") among gated attention
+    layers, (1 + w) norms, and (Qwen3-Next, Qwen3.5-MoE) experts beside a gated shared
+    expert. Qwen3.5's multimodal RoPE sections coincide with plain RoPE for text."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+        else "linear_attention" for i in range(n)
+    ]  # fmt: skip
+    unknown = sorted({k for k in kinds if k not in ("linear_attention", "full_attention")})
+    if len(kinds) != n or unknown:
+        raise ValueError(f"layer_types must give each of {n} layers linear_ or full_attention")
+    fields = {
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "norm_weight_offset": 1.0,
+        "layer_types": list(kinds),
+        "linear_num_key_heads": int(cfg["linear_num_key_heads"]),
+        "linear_num_value_heads": int(cfg["linear_num_value_heads"]),
+        "linear_key_head_dim": int(cfg["linear_key_head_dim"]),
+        "linear_value_head_dim": int(cfg["linear_value_head_dim"]),
+        "linear_conv_kernel_dim": int(cfg.get("linear_conv_kernel_dim", 4)),
+    }
+    if arch == "Qwen3_5ForCausalLM":
+        return fields
+    moe = _moe_fields(cfg, cfg.get("moe_intermediate_size"))
+    if arch == "Qwen3_5MoeForCausalLM":
+        moe["norm_topk_prob"] = True  # always renormalised
+    return {
+        **fields,
+        **moe,
+        "intermediate_size": int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size", 0)),
+        "shared_expert_gate": bool(cfg.get("shared_expert_intermediate_size")),
+    }
+
+
 def _moe_fields(cfg: dict, expert_size) -> dict:
     """The mixture-of-experts fields (Qwen3-MoE's names; transformers 5 saves num_experts as
     num_local_experts, Mixtral's name)."""
@@ -259,11 +301,13 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
         extra = _gemma3_fields(cfg)
     elif arch == "GraniteMoeHybridForCausalLM":
         extra = _granite_hybrid_fields(cfg)
+    elif arch in _QWEN3_NEXT_ARCHS:
+        extra = _qwen3_next_fields(arch, cfg)
     fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=cfg.get("intermediate_size", 0),
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,

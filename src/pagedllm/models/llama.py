@@ -26,6 +26,7 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import gather_vocab
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.mamba2 import MambaMixer2
@@ -51,25 +52,33 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         d = self.head_dim = config.head_dim
+        # Qwen3-Next's gated attention: q_proj gives each head's query and then its output gate,
+        # taken as twice the query heads (one rank: hybrid models refuse more).
+        self.gated = config.attn_output_gate
+        q_heads = config.num_attention_heads * (2 if self.gated else 1)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads,
+            config.hidden_size, d, q_heads, config.num_key_value_heads,
             config.attention_bias or config.qkv_bias, dtype, quant_config, f"{prefix}.qkv_proj",
         )  # fmt: skip
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        start, columns = self.qkv_proj.output_columns
+        if self.gated:
+            start, columns = start // 2, columns // 2
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * d, config.hidden_size, config.attention_bias, dtype,
-            quant_config, f"{prefix}.o_proj", input_shard=self.qkv_proj.output_columns,
+            quant_config, f"{prefix}.o_proj", input_shard=(start, columns),
         )  # fmt: skip
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+            offset = config.norm_weight_offset
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, offset)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb if config.use_rope else None  # Granite 4.0-H: none
         scale = config.attention_multiplier
         heads = self.qkv_proj.head_shard  # this rank's
         self.attn = Attention(
-            heads.num_heads,
+            heads.num_heads // (2 if self.gated else 1),
             d,
             d**-0.5 if scale is None else scale,
             heads.num_kv_heads,
@@ -92,12 +101,19 @@ class LlamaAttention(nn.Module):
     def forward(self, cos_sin, hidden_states, kv_cache, attn_metadata):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:  # [T, heads, (query, gate), d]
+            q, gate = q.view(q.shape[0], -1, 2, self.head_dim).unbind(2)
+            q, gate = q.flatten(1), gate.flatten(1)
         if self.q_norm is not None:  # per head: [T, heads * d] viewed as [T, heads, d]
             q = self.q_norm(q.view(q.shape[0], -1, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(k.shape[0], -1, self.head_dim)).flatten(1)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb.apply(q, k, cos_sin)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sinks=self.sinks))
+        out = self.attn(q, k, v, kv_cache, attn_metadata, sinks=self.sinks)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 def _load_heads(param: nn.Parameter, loaded: torch.Tensor, shard_id=None, *, start, total):
@@ -134,14 +150,20 @@ class LlamaDecoderLayer(nn.Module):
         prefix: str,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if config.is_recurrent_layer(layer_idx):  # a hybrid model's recurrent layer
+        offset = config.norm_weight_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, offset)
+        # A hybrid model's recurrent layers: its kv_cache is its state pool.
+        if config.layer_types and config.layer_types[layer_idx] == "mamba":
             self.mamba = MambaMixer2(config, dtype, quant_config, f"{prefix}.mamba")
+        elif config.layer_types and config.layer_types[layer_idx] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, dtype, quant_config, f"{prefix}.linear_attn")
         else:
             self.self_attn = LlamaAttention(
                 config, layer_idx, rotary_emb, backend, dtype, quant_config, f"{prefix}.self_attn"
             )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, offset
+        )
         mlp = SparseMoeBlock if config.is_moe_layer(layer_idx) else LlamaMLP
         self.mlp = mlp(config, dtype, quant_config, f"{prefix}.mlp")
         self.residual_multiplier = config.residual_multiplier
@@ -153,9 +175,10 @@ class LlamaDecoderLayer(nn.Module):
             residual, normed = hidden_states, self.input_layernorm(hidden_states)
         else:
             normed, residual = self.input_layernorm(self._scale(hidden_states), residual)
-        if hasattr(self, "mamba"):  # its kv_cache is its state pool
+        recurrent = getattr(self, "mamba", None) or getattr(self, "linear_attn", None)
+        if recurrent is not None:
             meta = attn_metadata
-            h = self.mamba(normed, kv_cache, meta.state_slots, meta.query_start_loc_cpu, meta.fresh)
+            h = recurrent(normed, kv_cache, meta.state_slots, meta.query_start_loc_cpu, meta.fresh)
         else:
             h = self.self_attn(cos_sin, normed, kv_cache, attn_metadata)
         normed, residual = self.post_attention_layernorm(self._scale(h), residual)
@@ -192,7 +215,9 @@ class LlamaModel(nn.Module):
             )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, config.norm_weight_offset
+        )
         self.embedding_multiplier = config.embedding_multiplier
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -219,6 +244,8 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],  # a Gated DeltaNet's (Qwen3.5's names)
+        "in_proj_ba": ["in_proj_b", "in_proj_a"],
     }
     # Checkpoint names -> ours, where an architecture names a layer its own way (Mixtral's
     # experts: w1 / w3 / w2 are gate / up / down), as re.sub patterns.
@@ -245,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
         )
 
     _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+    _INTERLEAVED = re.compile(r"(.*\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
+    # The names split_weight may split (load_weights reads only these at once).
+    split_names = re.compile(r"(_proj|_proj_bias|\.in_proj_qkvz\.weight|\.in_proj_ba\.weight)$")
 
     def split_weight(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A checkpoint tensor that holds several of the model's (load_weights asks about each
@@ -252,6 +282,9 @@ class LlamaForCausalLM(nn.Module):
         them ([experts, 2 x intermediate, hidden]: gate then up; gpt-oss's transposed, [experts,
         hidden, 2 x intermediate], gate and up interleaved column by column), one expert's gate,
         up or down projection each; any other tensor as it is."""
+        m = self._INTERLEAVED.fullmatch(name)
+        if m is not None:
+            return self._deinterleave(m.group(1), m.group(2), tensor)
         m = self._FUSED_EXPERTS.fullmatch(name)
         if m is None or tensor.dim() != 2 + (m.group(3) is None):
             return [(name, tensor)]
@@ -267,6 +300,23 @@ class LlamaForCausalLM(nn.Module):
             gate, up = (t[0::2], t[1::2]) if interleaved else t.chunk(2)
             parts += [(f"{stem}.{e}.gate_proj.{kind}", gate), (f"{stem}.{e}.up_proj.{kind}", up)]
         return parts
+
+    def _deinterleave(self, stem: str, proj: str, tensor: torch.Tensor):
+        """Qwen3-Next's Gated DeltaNet projections hold, key head after key head, that head's
+        q, k, v and z rows (in_proj_qkvz) or b and a rows (in_proj_ba); Qwen3.5's (and the
+        layer's) hold q of all heads, then k, v, z: in_proj_qkv / in_proj_z, in_proj_b / _a."""
+        c = self.config
+        heads, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+        rows = tensor.view(heads, -1, tensor.shape[-1])
+        if proj == "in_proj_ba":
+            b, a = rows.split([r, r], dim=1)
+            return [(f"{stem}.in_proj_b.weight", b.reshape(-1, tensor.shape[-1])),
+                    (f"{stem}.in_proj_a.weight", a.reshape(-1, tensor.shape[-1]))]  # fmt: skip
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        q, k, v, z = (t.reshape(-1, tensor.shape[-1])
+                      for t in rows.split([dk, dk, r * dv, r * dv], dim=1))  # fmt: skip
+        return [(f"{stem}.in_proj_qkv.weight", torch.cat([q, k, v])),
+                (f"{stem}.in_proj_z.weight", z)]  # fmt: skip
 
     def __init__(
         self,
@@ -302,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.num_experts:
             raise NotFusable("mixture-of-experts layers")
         if self.config.num_recurrent_layers:
-            raise NotFusable("Mamba-2 layers")
+            raise NotFusable(f"{self.config.recurrent_layer_name} layers")
         return FusedDecoder(self.model, self.config)
 
     def forward(

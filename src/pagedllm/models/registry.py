@@ -21,6 +21,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),
+    # Gated DeltaNet layers among gated attention layers (with experts in the MoE ones)
+    "Qwen3NextForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3_5ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("llama", "LlamaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),  # an encoder: embeddings only (the pooling runner)
 }

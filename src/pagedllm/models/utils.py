@@ -87,10 +87,11 @@ def _split(model, entries, renames) -> Iterator[tuple[str, Callable[[], torch.Te
     """Entries renamed by the model's weight_renames, and each tensor that holds several of the
     model's split by its split_weight (read at once: stacked experts)."""
     split = getattr(model, "split_weight", None)
+    split_names = getattr(model, "split_names", None)
     for name, read in entries:
         for pattern, replacement in renames:
             name = pattern.sub(replacement, name)
-        if split is None or not name.endswith(("_proj", "_proj_bias")):
+        if split is None or not split_names.search(name):
             yield name, read
             continue
         for part, tensor in split(name, read()):
