@@ -25,9 +25,11 @@ from tests.core.test_sharing import (
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, budget=64, max_model_len=64,
-                   prefix_caching=True, mode="swap", num_cpu_blocks=64) -> Scheduler:  # fmt: skip
+                   prefix_caching=True, mode="swap", num_cpu_blocks=64,
+                   max_stashed_seqs=None) -> Scheduler:  # fmt: skip
     kv = KVCacheManager(num_blocks, block_size, prefix_caching, num_cpu_blocks)
-    config = SchedulerConfig(max_num_seqs, budget, max_model_len, preemption_mode=mode)
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len, preemption_mode=mode,
+                             max_stashed_seqs=max_stashed_seqs)  # fmt: skip
     return Scheduler(config, kv)
 
 
@@ -160,6 +162,12 @@ def step(s: Scheduler, runner: SwapRunner):
         if not g.num_preemptions:  # a new request: every preempted one has resumed
             assert not s.swapped, "a new request was admitted while a group is swapped out"
             assert not any(other.num_preemptions for other in s.waiting)
+    # The runner hears which sequences went out and came back (a hybrid model's states go to a
+    # host stash and back), and the stash keeps its bound.
+    assert out.swapped_out_seqs == [q.seq_id for v in victims if v in s.swapped for q in v.seqs]
+    assert out.swapped_in_seqs == [q.seq_id for g in resumed for q in g.seqs]
+    if s.config.max_stashed_seqs is not None:
+        assert sum(len(g.seqs) for g in s.swapped) <= s.config.max_stashed_seqs
     assert len({cpu for _, cpu in out.blocks_to_swap_out}) == len(out.blocks_to_swap_out)
     assert len({dev for _, dev in out.blocks_to_swap_in}) == len(out.blocks_to_swap_in)
 
@@ -314,6 +322,16 @@ def test_groups_under_pressure_give_the_same_tokens(mode, config, prefix_caching
             state, _ = run_ours(beam_model, kw["beam"], kw["max_tokens"],
                                 kw.get("length_penalty", 1.0), False, [])  # fmt: skip
             assert hyps == [tuple(hyp.output_token_ids) for hyp in state.finished]
+
+
+@pytest.mark.parametrize("max_stashed", [1, 3])
+def test_a_full_state_stash_falls_back_to_recompute(max_stashed):
+    """A hybrid model: swapped-out sequences keep their recurrent state in the runner's host
+    stash, at most max_stashed_seqs of them; a group past it is preempted by recompute."""
+    expected, _, _, _ = run_mixed(num_blocks=400, mode="recompute")
+    got, s, _, _ = run_mixed(num_blocks=30, max_stashed_seqs=max_stashed)
+    assert got == expected
+    assert 0 < s.num_swap_preemptions_total < s.num_preemptions_total
 
 
 # -- groups go and come back together, sharing intact ---------------------------------------

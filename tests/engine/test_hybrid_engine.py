@@ -2,10 +2,13 @@
 through the engine, transformers as the oracle: each sequence's recurrent state in a slot of
 the state pool, carried across prompt chunks and decode steps, alone and batched, with block
 sizes 1 / 16 / 32, after preemption (by recompute: the slot is freed and the prompt recomputed
-from a fresh one), and copied to each fork (n seeded samples, beam search). What hybrids cannot
-do yet is refused with the reason."""
+from a fresh one; by swap: the state waits in the runner's host stash while the blocks are in
+the swap space, and comes back into any free slot), and copied to each fork (n seeded samples,
+beam search). What hybrids cannot do yet is refused with the reason."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -44,22 +47,31 @@ def make_llm(path, **kwargs):
     return LLM(model=path, dtype="float32", max_model_len=64, **kwargs)
 
 
-def greedy(llm, prompts=PROMPTS):
-    """Greedy outputs, the block pool and state slots checked after every step."""
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+def run(llm, prompts, params, stashed=None):
+    """Every request's outputs; the block pool and state slots checked after every step, and
+    the state stash holding exactly the swapped-out sequences. `stashed`, a list, receives the
+    stash's size after every step."""
+    engine, pool = llm.llm_engine, runner_of(llm.llm_engine).state_pool
     ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
         engine.scheduler.check_integrity()
-        runner_of(engine).state_pool.check_integrity()
-    outs = [done[i] for i in ids]
+        pool.check_integrity()
+        assert pool.stashed == {q.seq_id for g in engine.scheduler.swapped for q in g.seqs}
+        if stashed is not None:
+            stashed.append(len(pool.stashed))
     check_pool(llm)
+    assert not pool.stashed
     # Slots come back when the runner hears of their sequences' end, with the next step: at
     # most this call's are held (those that ended in its last step), every earlier one's went.
-    assert runner_of(llm.llm_engine).state_pool.num_used <= len(prompts)
-    return [o.outputs[0].token_ids for o in outs]
+    assert pool.num_used <= sum(len(done[i].outputs) for i in ids)
+    return [done[i] for i in ids]
+
+
+def greedy(llm, prompts=PROMPTS, stashed=None):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in run(llm, prompts, params, stashed)]
 
 
 @pytest.mark.parametrize("budget", [None, 5], ids=["whole-prompts", "chunked-5"])
@@ -79,6 +91,74 @@ def test_preemption_recomputes_from_a_fresh_state(tiny):
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
 
+def swapping_llm(path, num_blocks=16, **kwargs):
+    """A pool of `num_blocks` blocks of 4, preempting by swap (0.001 GiB: the swap space is
+    capped to the pool)."""
+    return make_llm(path, block_size=4, num_gpu_blocks_override=num_blocks,
+                    preemption_mode="swap", swap_space=0.001, **kwargs)  # fmt: skip
+
+
+def test_preemption_by_swap_stashes_the_state_and_restores_it(tiny):
+    path, _, want = tiny
+    llm = swapping_llm(path, max_num_seqs=4)
+    engine = llm.llm_engine
+    assert engine.config.scheduler.max_stashed_seqs == 4  # a bound of its own: max_num_seqs
+    stashed = []
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    got = [o.outputs[0] for o in run(llm, PROMPTS, params, stashed)]
+    assert [c.token_ids for c in got] == want
+    # The tiny model's tokens hardly depend on the SSM state (its values are ~1% of the conv
+    # state's): the log-probabilities do, where a lost state shows (by ~1e-3).
+    alone = [o.outputs[0] for o in run(make_llm(path, block_size=4), PROMPTS, params)]
+    assert [c.cumulative_logprob for c in got] == pytest.approx(
+        [c.cumulative_logprob for c in alone], abs=1e-5
+    )
+    scheduler, kv_cache = engine.scheduler, runner_of(engine).kv_cache
+    assert scheduler.num_swap_preemptions_total == scheduler.num_preemptions_total > 0
+    assert max(stashed) > 0  # states waited in the stash, and came back (run checks it)
+    assert kv_cache.num_swapped_out_blocks == kv_cache.num_swapped_in_blocks > 0
+
+
+def test_a_full_stash_falls_back_to_recompute(tiny):
+    """One stashed sequence at most: a second group swapped out meanwhile is recomputed."""
+    path, _, want = tiny
+    llm = swapping_llm(path, max_num_seqs=4)
+    scheduler = llm.llm_engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, max_stashed_seqs=1)
+    stashed = []
+    assert greedy(llm, stashed=stashed) == want
+    assert 0 < scheduler.num_swap_preemptions_total < scheduler.num_preemptions_total
+    assert max(stashed) == 1
+
+
+def test_swapped_forked_seeded_samples_equal_an_unconstrained_run(tiny):
+    """n = 3 seeded samples of several requests (each sample's tokens its own, whatever the
+    batch: test_forked_seeded_samples_equal_independent_runs), with whole groups swapped out
+    and back in: each fork's state is stashed and restored, not another's."""
+    path, _, _ = tiny
+    params = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    want = [[c.token_ids for c in o.outputs] for o in run(make_llm(path), prompts, params)]
+    llm = swapping_llm(path, num_blocks=24, max_num_seqs=9)  # a group needs up to 18
+    stashed = []
+    assert [[c.token_ids for c in o.outputs] for o in run(llm, prompts, params, stashed)] == want
+    assert llm.llm_engine.scheduler.num_swap_preemptions_total > 0
+    assert max(stashed) > 1  # a forked group's states went out together
+
+
+def test_swapped_beams_equal_transformers(tiny):
+    """Beam groups swapped out and back in whole: each beam's state is its own."""
+    path, hf, _ = tiny
+    # 20 slots for 5 groups of 2 beams: a step's new beams are forked before the pruned ones
+    # leave, so a group holds up to twice its width for that moment.
+    llm = swapping_llm(path, max_num_seqs=20)
+    check_beams_equal_hf(llm, hf, PROMPTS[:5], 2, [2])
+    assert llm.llm_engine.scheduler.num_swap_preemptions_total > 0
+    pool = runner_of(llm.llm_engine).state_pool
+    pool.check_integrity()
+    assert not pool.stashed
+
+
 def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_refused(tiny):
     path, _, _ = tiny
     small, large = (make_llm(path, block_size=4, max_num_seqs=n) for n in (4, 64))
@@ -91,7 +171,7 @@ def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_ref
     )
     cache = small.llm_engine.config.cache
     assert not cache.enable_prefix_caching
-    assert small.llm_engine.config.scheduler.preemption_mode == "recompute"
+    assert small.llm_engine.config.scheduler.max_stashed_seqs is None  # recompute: no stash
     with pytest.raises(ValueError, match="hybrid models .* --speculative-config"):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="hybrid models .* --tensor-parallel-size > 1"):

@@ -1,5 +1,6 @@
 """The state pool's bookkeeping (worker/state_pool.py): slots assigned to new sequences, copied
-to forks, and given back for finished requests (forks included), pruned beams and preemption."""
+to forks, and given back for finished requests (forks included), pruned beams and preemption;
+a swapped-out sequence's state in the host stash and back into another slot."""
 
 from __future__ import annotations
 
@@ -65,3 +66,50 @@ def test_a_sequence_resuming_without_state_or_past_the_slots_is_an_error():
     pool.slots(["y"], [0])
     with pytest.raises(RuntimeError, match="no free state slot of 1"):
         pool.slots(["z"], [0])
+
+
+def _fill(pool: StatePool, slot: int) -> list[torch.Tensor]:
+    """Random state in `slot`, and a copy of it."""
+    saved = []
+    for state in pool.layers.values():
+        saved += [state.conv[slot].normal_().clone(), state.ssm[slot].normal_().clone()]
+    return saved
+
+
+def _state(pool: StatePool, slot: int) -> list[torch.Tensor]:
+    return [t[slot] for state in pool.layers.values() for t in (state.conv, state.ssm)]
+
+
+def test_a_swapped_out_state_waits_in_the_stash_and_comes_back_in_another_slot():
+    pool = _pool(num_slots=2)
+    a, b = pool.slots(["r", "r#1"], [0, 0])
+    want = {"r": _fill(pool, a), "r#1": _fill(pool, b)}
+    pool.swap_out(["r", "r#1", "never-ran"])  # a sequence without a slot has nothing to keep
+    assert pool.num_used == 0 and pool.stashed == {"r", "r#1"}  # no slot while swapped out
+    pool.check_integrity()
+    (other,) = pool.slots(["other"], [0])  # another sequence takes a slot meanwhile
+    _fill(pool, other)
+    pool.swap_in(["r#1"])
+    (slot,) = pool.slots(["r#1"], [9])  # resumes with its state: no "without state" error
+    assert slot != b and pool.stashed == {"r"}
+    assert all(torch.equal(x, y) for x, y in zip(_state(pool, slot), want["r#1"], strict=True))
+    pool.release_requests(["r"])  # preempted: the slots of r's forks, the stash keeps r's
+    assert pool.stashed == {"r"} and pool.num_used == 1
+    pool.release_requests(["r"], stashed=True)  # finished (aborted while swapped out)
+    assert not pool.stashed and pool.num_used == 1
+    pool.check_integrity()
+
+
+def test_a_full_stash_refuses_a_swap_out_and_keeps_the_state_in_its_slot():
+    """The scheduler counts the stash (SchedulerConfig.max_stashed_seqs = the slots) and
+    preempts by recompute past it; a swap-out past it anyway is an error, not a lost state."""
+    pool = _pool(num_slots=2)
+    pool.slots(["a", "b"], [0, 0])
+    pool.swap_out(["a", "b"])
+    (c,) = pool.slots(["c"], [0])
+    want = _fill(pool, c)
+    with pytest.raises(RuntimeError, match="state stash holds 2 sequences"):
+        pool.swap_out(["c"])
+    assert pool.slots(["c"], [5]) == [c] and pool.stashed == {"a", "b"}
+    assert all(torch.equal(x, y) for x, y in zip(_state(pool, c), want, strict=True))
+    pool.check_integrity()

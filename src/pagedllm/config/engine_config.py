@@ -62,6 +62,10 @@ class SchedulerConfig:
     max_loras: int = 0
     # "fcfs", or "priority": requests ordered by (priority, arrival), lower priority values first
     policy: str = "fcfs"
+    # Hybrid models, preemption by swap: the most sequences swapped out at once, each one's
+    # recurrent state in the runner's host stash (worker/state_pool.py); a group past it is
+    # preempted by recompute. None: no state to stash, the swap space alone bounds swapping.
+    max_stashed_seqs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class EngineConfig:
         # attention reads this step's tokens only).
         chunked_prefill = args.enable_chunked_prefill and not arch.is_encoder
         # A hybrid model's cached prefix would need its recurrent state at the prefix's end,
-        # which is not kept yet: no prefix caching, and preemption recomputes.
+        # which is not kept yet: no prefix caching.
         prefix_caching = args.enable_prefix_caching and not arch.is_encoder and not hybrid
         if not chunked_prefill and budget < max_model_len:
             raise ValueError(
@@ -164,7 +168,7 @@ class EngineConfig:
             kv_cache_memory = (budget + args.max_num_seqs * args.block_size) * per_token
         if kv_cache_memory is None and device == "cpu":
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        preemption_mode = "recompute" if hybrid else args.preemption_mode
+        preemption_mode = args.preemption_mode
         swap = int(args.swap_space * 2**30) if preemption_mode == "swap" else 0
         integer = _integer_products(args, arch, device)
         dtype = auto_dtype if args.dtype == "auto" else _DTYPE_NAMES.get(args.dtype, args.dtype)
@@ -208,6 +212,10 @@ class EngineConfig:
                 preemption_mode,
                 args.max_loras if args.enable_lora else 0,
                 args.scheduling_policy,
+                # A swapped-out hybrid sequence's recurrent state waits in a host stash of its
+                # own bound, max_num_seqs states (at most the device's state pool again), not
+                # counted against --swap-space, which holds the K/V blocks only.
+                max_num_seqs if hybrid and preemption_mode == "swap" else None,
             ),  # fmt: skip
             parallel=ParallelConfig(
                 args.tensor_parallel_size,

@@ -15,9 +15,9 @@ With LoRA a step runs at most max_loras adapters; new requests are admitted FCFS
 fits (core/lora_admission.py), preempted groups strictly in order.
 
 Preemption mode "swap" moves the victim's blocks to a CPU swap space instead (falling back to
-recompute when the swap space is full). Preempted groups resume in arrival order, whether
-swapped out or waiting to be recomputed, before any new request; no new request is admitted
-while any group is swapped out.
+recompute when the swap space, or a hybrid model's state stash, is full). Preempted groups
+resume in arrival order, whether swapped out or waiting to be recomputed, before any new
+request; no new request is admitted while any group is swapped out.
 
 A group's sequences advance in lockstep: the step that samples one of them samples all, since
 beam search compares every beam's candidates and a sampling group forks on its first token.
@@ -202,8 +202,10 @@ class Scheduler:
         }
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.preempted_request_ids = [g.request_id for g in preempted]
-        finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        out.finished_request_ids = finished
+        out.swapped_out_seqs = [q.seq_id for g in preempted if g in self.swapped for q in g.seqs]
+        out.finished_request_ids = set(self._finished_since_last_step)
+        if not out.is_empty:  # an empty step never reaches the runner: they go with the next
+            self._finished_since_last_step.clear()
         forks = getattr(self.kv_cache_manager, "forks", None)
         if forks:
             out.forked_seqs, self.kv_cache_manager.forks = forks, []
@@ -308,6 +310,7 @@ class Scheduler:
             return None
         self.swapped.pop(0)
         out.blocks_to_swap_in += kv.swap_in(group.seqs)
+        out.swapped_in_seqs += [seq.seq_id for seq in group.seqs]
         self._start_running(group)
         self._allocate(plan, out)
         return plan
@@ -373,7 +376,9 @@ class Scheduler:
         for seq in group.seqs:
             seq.num_preemptions += 1
             seq.spec_token_ids = []
-        if self.config.preemption_mode == "swap" and kv.can_swap_out(group.seqs):
+        stash = self.config.max_stashed_seqs  # the runner's stash of hybrid models' states
+        room = stash is None or sum(len(g.seqs) for g in self.swapped) + len(group.seqs) <= stash
+        if self.config.preemption_mode == "swap" and room and kv.can_swap_out(group.seqs):
             pairs = kv.swap_out(group.seqs)
             for seq in group.seqs:
                 seq.status = SequenceStatus.SWAPPED
@@ -394,12 +399,8 @@ class Scheduler:
         """Into `waiting` in the policy's order (FCFS: at the back)."""
         if self.order is _by_arrival:
             self.waiting.append(group)
-            return
-        key = self.order(group)
-        i = len(self.waiting)
-        while i and self.order(self.waiting[i - 1]) > key:
-            i -= 1
-        self.waiting.insert(i, group)
+        else:  # after the groups of its key
+            bisect.insort(self.waiting, group, key=self.order)
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(

@@ -32,6 +32,10 @@ class SchedulerOutput:
     # (parent, child) seq ids forked since the previous step (n > 1, beam search): the runner
     # copies a hybrid model's recurrent state from parent to child before the forward.
     forked_seqs: list[tuple[str, str]] = field(default_factory=list)
+    # The seq ids of the groups swapped out / back in this step (with blocks_to_swap_*): the
+    # runner stashes a hybrid model's recurrent state in host memory, then restores it.
+    swapped_out_seqs: list[str] = field(default_factory=list)
+    swapped_in_seqs: list[str] = field(default_factory=list)
 
     def needs_sample(self, request: Sequence) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""
@@ -40,8 +44,14 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to run and no block to move."""
-        return not (self.scheduled_requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        """Nothing to run and no block or state to move."""
+        return not (
+            self.scheduled_requests
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.swapped_out_seqs
+            or self.swapped_in_seqs
+        )
 
 
 @dataclass

@@ -118,12 +118,8 @@ class ModelRunner:
         self.step_sampler.forget(so.finished_request_ids)
         if self.proposer is not None and so.finished_request_ids:
             self.proposer.finish(so.finished_request_ids)
-        if self.state_pool is not None:  # a preempted sequence recomputes from a fresh slot
-            pool = self.state_pool
-            pool.release_requests([*so.finished_request_ids, *so.preempted_request_ids])
-            for parent, child in so.forked_seqs:
-                pool.fork(parent, child)
-            pool.release_unscheduled([r.seq_id for r in so.scheduled_requests])
+        if self.state_pool is not None:
+            self._move_states(so)
         step = StepInputs(
             pairs(so.blocks_to_swap_out), pairs(so.blocks_to_swap_in), pairs(so.blocks_to_copy)
         )
@@ -182,6 +178,21 @@ class ModelRunner:
             ids = [r.seq_id for r in reqs]
             step.state_slots = np.array(self.state_pool.slots(ids, num_computed.tolist()))
         return step, plan
+
+    def _move_states(self, so: SchedulerOutput) -> None:
+        """A hybrid model's state slots before the step: finished requests' go (stashed states
+        too); forks copy their parent's (before a swap-out or a pruning takes it); a group
+        swapped out stashes its sequences' states in host memory, the other preempted groups
+        recompute from fresh slots; pruned beams' slots go; then a group swapped in gets its
+        states back into free slots."""
+        pool = self.state_pool
+        pool.release_requests(so.finished_request_ids, stashed=True)
+        for parent, child in so.forked_seqs:
+            pool.fork(parent, child)
+        pool.swap_out(so.swapped_out_seqs)
+        pool.release_requests(so.preempted_request_ids)  # the swapped out hold none by now
+        pool.release_unscheduled([r.seq_id for r in so.scheduled_requests])
+        pool.swap_in(so.swapped_in_seqs)
 
     def _plan_lora(self, reqs: list[Sequence], num_scheduled: np.ndarray, step: StepInputs):
         """Each token's adapter slot, and the slots to fill first."""

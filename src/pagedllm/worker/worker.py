@@ -262,6 +262,11 @@ class Worker:
         )  # fmt: skip
         if num_cpu_blocks == 0:
             logger.warning("swap space is empty: every preemption will recompute")
+        elif self.state_bytes:  # besides --swap-space: a bound of its own (state_pool.py)
+            logger.info(
+                "recurrent state stash: up to %d swapped-out sequences, %.1f MiB of CPU memory "
+                "at most", sched.max_stashed_seqs, self.state_bytes / 2**20,
+            )  # fmt: skip
         return num_cpu_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
