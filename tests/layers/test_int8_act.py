@@ -210,8 +210,14 @@ def test_bfloat16_x_is_quantized_from_its_exact_value(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS_TESTED)
-def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind):
-    """Slices written as they arrive (q, k, v parts at their rows; 50 rows: a partial tile)."""
+@pytest.mark.parametrize(
+    "slices",
+    [((0, 13), (13, 20), (33, 17)), ((0, 4), (4, 4), (8, 30), (38, 3), (41, 9))],
+    ids=["across-tiles", "within-a-tile"],
+)
+def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind, slices):
+    """Slices written as they arrive (q, k, v parts at their rows; a Gated DeltaNet's b and a,
+    4 rows each, inside one tile; 50 rows: a partial tile)."""
     torch.manual_seed(4)
     n, k = 50, 64
     codes = random_codes(kind, n, k)
@@ -219,7 +225,7 @@ def test_the_layer_holds_the_codes_in_the_kernels_layout_and_nothing_else(kind):
     whole = layer_of(codes, bias)
     config = QuantizationConfig("int8_act", code_kinds={"w": kind_of(codes, kind)})
     layer = ColumnParallelLinear(k, n, True, torch.float32, config, prefix="w")
-    for start, size in ((0, 13), (13, 20), (33, 17)):
+    for start, size in slices:
         layer.quant_method.load_weight(layer, codes.narrow(0, start, size), start)
     layer.weight_loader(layer.bias, bias)
     layer.quant_method.process_weights_after_loading(layer)

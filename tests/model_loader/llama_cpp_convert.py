@@ -60,14 +60,15 @@ def converter() -> Path:
     return root
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """`hf_dir` (a saved model with its tokenizer) -> `out`, a GGUF of `outtype` (f32, q8_0...)."""
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", *options: str) -> Path:
+    """`hf_dir` (a saved model with its tokenizer) -> `out`, a GGUF of `outtype` (f32, q8_0...),
+    with the converter's other `options` (--no-mtp)."""
     root = converter()
     env = {**os.environ, "PYTHONPATH": str(root / "standins")}
     env.pop("NO_LOCAL_GGUF", None)  # the converter's own gguf-py, not the installed package
     result = subprocess.run(
         [sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
-         "--outtype", outtype],
+         "--outtype", outtype, *options],
         cwd=root, env=env, capture_output=True, text=True,
     )  # fmt: skip
     if result.returncode != 0:

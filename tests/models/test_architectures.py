@@ -215,15 +215,16 @@ def _inference_mode():
 
 
 def random_hf_model(config_cls: str, model_cls: str, fields: dict):
-    """A transformers model of random weights (seed 0). It starts norms at 1 and biases and
-    attention sinks at 0: those are randomised too, so that loading them is tested."""
+    """A transformers model of random weights (seed 0). It starts norms at 1 (at 0 where they
+    weigh by 1 + w) and biases and attention sinks at 0: those are randomised about their
+    starts too, so that loading them is tested."""
     config = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_(p + 0.2 * torch.randn_like(p))
             elif pname.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             elif pname.endswith("sinks"):

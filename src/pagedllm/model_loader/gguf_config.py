@@ -177,8 +177,44 @@ def _mamba_options(meta: dict, arch: str, tensors: dict) -> dict:
     }
 
 
+def _linear_attention_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
+    """Qwen3-Next / Qwen3.5: Gated DeltaNet layers where recurrent_layers says, their sizes in
+    the ssm keys (state_size the key head dim, group_count the key heads, time_step_rank the
+    value heads, inner_size all value heads' dims), gated attention with partial RoPE; Qwen3.5's
+    files hold the value heads tiled (llama.cpp's converter reorders them)."""
+    n = int(meta[f"{arch}.block_count"])
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+    if not isinstance(recurrent, list) or len(recurrent) < n:
+        raise ValueError(f"{arch} GGUF without attention.recurrent_layers for its {n} layers")
+    k_heads, v_heads = int(meta[f"{arch}.ssm.group_count"]), int(meta[f"{arch}.ssm.time_step_rank"])
+    inner = int(meta[f"{arch}.ssm.inner_size"])
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    options = {
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:n]],
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "norm_weight_offset": 1.0,
+        "partial_rotary_factor": rope_dims / head_dim,
+        "linear_num_key_heads": k_heads,
+        "linear_num_value_heads": v_heads,
+        "linear_key_head_dim": int(meta[f"{arch}.ssm.state_size"]),
+        "linear_value_head_dim": inner // v_heads,
+        "linear_conv_kernel_dim": int(meta[f"{arch}.ssm.conv_kernel"]),
+        "linear_value_heads_tiled": arch != "qwen3next" and k_heads != v_heads,
+    }
+    if int(meta.get(f"{arch}.expert_count") or 0):
+        options.update(_moe_options(meta, arch, tensors))
+        options["shared_expert_intermediate_size"] = int(
+            meta.get(f"{arch}.expert_shared_feed_forward_length", 0)
+        )
+        options["shared_expert_gate"] = "blk.0.ffn_gate_inp_shexp.weight" in tensors
+    return options
+
+
 def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
     """The ModelArchConfig options that set an architecture apart from Llama."""
+    if arch in ("qwen3next", "qwen35", "qwen35moe"):
+        return _linear_attention_options(meta, arch, tensors, head_dim)
     if arch == "granite":
         return _granite_options(meta, arch)
     if arch == "granitehybrid":
@@ -199,7 +235,7 @@ def _arch_options(meta: dict, arch: str, tensors: dict, head_dim: int) -> dict:
 def _moe_options(meta: dict, arch: str, tensors: dict) -> dict:
     """A mixture of experts (qwen3moe; Mixtral, written as llama): llama.cpp's graphs of these
     architectures always renormalise the top k weights, and put experts in every layer."""
-    if arch not in ("qwen3moe", "llama", "gpt-oss", "granitehybrid"):
+    if arch not in ("qwen3moe", "llama", "gpt-oss", "granitehybrid", "qwen3next", "qwen35moe"):
         raise ValueError(f"{arch} GGUF with experts: not supported")
     experts, used = int(meta[f"{arch}.expert_count"]), int(meta.get(f"{arch}.expert_used_count", 0))
     if not 0 < used <= experts:

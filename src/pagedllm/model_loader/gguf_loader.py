@@ -1,6 +1,6 @@
 """Loading a GGUF file (llama.cpp's format) of a llama-style architecture into HF-named float32
 tensors (and codes), with the config and tokenizer gguf_config.py reads. The architectures are
-the registry's GGUF_ARCHITECTURES (llama, qwen2, qwen3, granite, phi3).
+the registry's GGUF_ARCHITECTURES.
 
 Three things differ from a Hugging Face checkpoint and are undone here:
   - names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, and a mixture
@@ -80,8 +80,29 @@ _MAMBA_TENSORS = {
     "ssm_d": "mamba.D",
     "ssm_norm": "mamba.norm",
 }
+# Qwen3-Next's and Qwen3.5's Gated DeltaNet layers: llama.cpp's converter splits in_proj_qkvz
+# into attn_qkv (q, k, v of all heads) and attn_gate (z), keeps Qwen3-Next's interleaved
+# in_proj_ba whole, stores A as -exp(A_log) and every norm weight but ssm_norm as 1 + w.
+_LINEAR_ATTN_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 _ARCH_LAYER_TENSORS = {
     "granitehybrid": {**_LAYER_TENSORS, **_MAMBA_TENSORS},
+    "qwen3next": _LINEAR_ATTN_TENSORS,
+    "qwen35": _LINEAR_ATTN_TENSORS,
+    "qwen35moe": _LINEAR_ATTN_TENSORS,
     "gpt-oss": {
         **_LAYER_TENSORS,
         "post_attention_norm": "post_attention_layernorm",  # the norm before the experts
@@ -97,7 +118,10 @@ _ARCH_LAYER_TENSORS = {
     },
 }
 # Parameters that are not a module's weight or bias in HF's checkpoints.
-_OWN_PARAMETERS = ("self_attn.sinks", "mamba.A_log", "mamba.D", "mamba.dt_bias")
+_OWN_PARAMETERS = ("self_attn.sinks", "mamba.A_log", "mamba.D", "mamba.dt_bias",
+                   "linear_attn.A_log", "linear_attn.dt_bias")  # fmt: skip
+# Architectures whose files store norm weights as 1 + w (all but a Gated DeltaNet's own).
+_NORM_PLUS_ONE = ("gemma3", "qwen3next", "qwen35", "qwen35moe")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
@@ -196,16 +220,16 @@ def _read_tensor(
                 f"split into {heads[proj]} heads of (pairs of) rotary dimensions"
             )
         array = unpermute_from_gguf(array, heads[proj])
-    if arch == "gemma3" and name.endswith("norm.weight"):
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight") and ".linear_attn." not in name:
         array = array - 1.0  # the converter stored 1 + w
-    if ".mamba." in name:
+    if ".mamba." in name or ".linear_attn." in name:
         array = _mamba_from_gguf(name, array)
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
 def _mamba_from_gguf(name: str, array: np.ndarray) -> np.ndarray:
-    """A Mamba-2 tensor back in HF's form: A_log = log(-A), D and the norm's weight flat, the
-    depthwise conv's weight [channels, 1, kernel]."""
+    """A Mamba-2 (or Gated DeltaNet) tensor back in HF's form: A_log = log(-A), D and the norm's
+    weight flat, the depthwise conv's weight [channels, 1, kernel]."""
     if name.endswith("A_log"):
         return np.log(-array.reshape(-1))
     if name.endswith((".D", "norm.weight")):

@@ -42,6 +42,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 
 

@@ -114,9 +114,11 @@ class Int8ActLinearMethod(LinearMethodBase):
             if whole:
                 part = src[at : at + whole * TILE]
                 dst[first : first + whole].copy_(part.reshape(whole, TILE, *part.shape[1:]))
-            # rows before the first whole tile and after the last (ends of a partial tile)
-            index = torch.cat([torch.arange(row, min(end, first * TILE)),
-                               torch.arange(max(row, (first + whole) * TILE), end)])  # fmt: skip
+            # rows before the first whole tile and after the last (ends of a partial tile; a
+            # part within one tile is all "before")
+            head_end = min(end, first * TILE)
+            tail = max(head_end, (first + whole) * TILE)
+            index = torch.cat([torch.arange(row, head_end), torch.arange(tail, max(tail, end))])
             if len(index):
                 dst[index // TILE, index % TILE] = src[index - row]
 
