@@ -284,6 +284,8 @@ def checkpoint_state(tensors, model) -> dict[str, torch.Tensor]:
     stacked; a checkpoint may hold them apart). A tied head's copy left out."""
     state = {}
     for name, tensor in tensors.items():
+        if model.ignored_weights.match(name):
+            continue
         for pattern, replacement in model.weight_renames:
             name = re.sub(pattern, replacement, name)
         for part, t in model.split_weight(name, tensor):
@@ -452,3 +454,49 @@ def test_phi3_gguf_with_longrope_factors_is_a_clear_error(tmp_path):
     path = write_gguf_from_hf(tmp_path / "p.gguf", hf, extra_tensors=extra)
     with pytest.raises(ValueError, match="LongRoPE"):
         load_gguf(path)
+
+
+def add_mtp_layer(directory, layer: int) -> None:
+    """A multi-token-prediction block in a saved Qwen3-Next / Qwen3.5 checkpoint, as the
+    released ones carry (`mtp.*`, decoder layer `layer`'s weights copied, a projection and
+    norms): pagedllm leaves it unread, llama.cpp's converter writes it as an extra block."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    stem = next(k for k in tensors if k.endswith("embed_tokens.weight")).removesuffix(
+        "embed_tokens.weight"
+    )
+    hidden = tensors[stem + "norm.weight"].shape[0]
+    prefix = f"{stem}layers.{layer}."
+    extra = {"mtp.layers.0." + k.removeprefix(prefix): v.clone()
+             for k, v in tensors.items() if k.startswith(prefix)}  # fmt: skip
+    extra["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        extra[f"mtp.{norm}.weight"] = torch.randn(hidden)
+    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+
+
+def test_qwen3_5s_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """Qwen3.5 is released as Qwen3_5ForConditionalGeneration (text under
+    model.language_model, a vision tower, multi-token-prediction layers): pagedllm runs the text
+    model, reading neither of the others, and its greedy tokens equal transformers'."""
+    from tests.conftest import hf_greedy
+
+    _, _, text = ARCHS["qwen3_5"]
+    fields = dict(
+        text_config={**BASE, **text},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, num_position_embeddings=64),
+    )  # fmt: skip
+    hf = random_hf_model("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", fields)
+    hf.save_pretrained(tmp_path)
+    add_mtp_layer(tmp_path, 1)
+    loaded = load_hf_dir(tmp_path)
+    assert loaded.config.architecture == "Qwen3_5ForCausalLM"
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory="4MiB", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(hf, p, MAX_NEW_TOKENS) for p in PROMPTS
+    ]

@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 
 import gguf
 import pytest
@@ -22,7 +23,13 @@ from pagedllm.models import get_model_class
 from tests.conftest import hf_greedy, runner_of
 from tests.model_loader.llama_cpp_convert import convert
 from tests.model_loader.tiny_gguf import requantize
-from tests.models.test_architectures import ARCHS, BASE, checkpoint_state, random_hf_model
+from tests.models.test_architectures import (
+    ARCHS,
+    BASE,
+    add_mtp_layer,
+    checkpoint_state,
+    random_hf_model,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -232,3 +239,23 @@ def test_gpt_oss_mxfp4_experts_are_taken_exactly(converted, tmp_path):
     # Measured: 96% / 0.011: the weights are the file's, only the activations are rounded.
     agreement, delta = teacher_forced(llm, exact)
     assert agreement >= 0.8 and delta < 0.08, (agreement, delta)
+
+
+@pytest.mark.parametrize("converted", ["qwen3_next"], indirect=True)
+def test_multi_token_prediction_blocks_are_left_unread(converted, tmp_path):
+    """Released Qwen3-Next / Qwen3.5 checkpoints carry a multi-token-prediction block, which
+    llama.cpp's converter appends as one more block (nextn_predict_layers): the model is the
+    blocks before it, and its greedy tokens are transformers'."""
+    _, hf, hf_dir, _ = converted
+    mtp_dir = tmp_path / "hf"
+    shutil.copytree(hf_dir, mtp_dir)
+    add_mtp_layer(mtp_dir, 1)
+    path = convert(mtp_dir, tmp_path / "mtp.gguf", "f32")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["qwen3next.nextn_predict_layers"].contents() == 1
+    assert any(t.name.startswith("blk.3.") for t in reader.tensors)
+    loaded = load_gguf(path, with_tokenizer=False)
+    assert loaded.config.num_hidden_layers == 3
+    assert not any(name.startswith("model.layers.3.") for name in loaded.weights)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
+    assert greedy(llm) == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]

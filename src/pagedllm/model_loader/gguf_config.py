@@ -182,7 +182,7 @@ def _linear_attention_options(meta: dict, arch: str, tensors: dict, head_dim: in
     the ssm keys (state_size the key head dim, group_count the key heads, time_step_rank the
     value heads, inner_size all value heads' dims), gated attention with partial RoPE; Qwen3.5's
     files hold the value heads tiled (llama.cpp's converter reorders them)."""
-    n = int(meta[f"{arch}.block_count"])
+    n = int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
     recurrent = meta.get(f"{arch}.attention.recurrent_layers")
     if not isinstance(recurrent, list) or len(recurrent) < n:
         raise ValueError(f"{arch} GGUF without attention.recurrent_layers for its {n} layers")
@@ -297,7 +297,9 @@ def config_from_metadata(meta: dict, tensors: dict) -> ModelArchConfig:
     # Qwen2. Where present it slides every layer, as HF's Phi-3 and Mistral do.
     sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None
     # The first attention layer's tensors tell its options (a hybrid's layer 0 may be Mamba).
-    n = int(get("block_count"))
+    # Blocks past the model's (Qwen3-Next's and Qwen3.5's multi-token prediction, which
+    # llama.cpp's converter appends) are not run: load_gguf leaves them unread.
+    n = int(get("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
     attn = next((f"blk.{i}." for i in range(n) if f"blk.{i}.attn_output.weight" in tensors), "")
     options = {"intermediate_size": int(get("feed_forward_length"))}
     options["qk_norm"] = f"{attn}attn_q_norm.weight" in tensors

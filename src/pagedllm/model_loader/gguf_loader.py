@@ -122,6 +122,7 @@ _OWN_PARAMETERS = ("self_attn.sinks", "mamba.A_log", "mamba.D", "mamba.dt_bias",
                    "linear_attn.A_log", "linear_attn.dt_bias")  # fmt: skip
 # Architectures whose files store norm weights as 1 + w (all but a Gated DeltaNet's own).
 _NORM_PLUS_ONE = ("gemma3", "qwen3next", "qwen35", "qwen35moe")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
@@ -259,6 +260,9 @@ def _load_gguf(path, reader: GGUFFile, keep_codes: bool, lazy: bool, with_tokeni
 
     readers, code_readers, kinds = {}, {}, {}
     for t in reader.tensors:
+        block = _BLOCK_RE.match(t.name)
+        if block and int(block.group(1)) >= config.num_hidden_layers:
+            continue  # a multi-token-prediction block (config_from_metadata)
         experts = expert_names(t.name, config.num_experts)
         if experts is not None:
             if len(t.shape) not in (2, 3) or t.shape[-1] != config.num_experts:  # ggml order

@@ -279,8 +279,21 @@ def _gemma3_fields(cfg: dict) -> dict:
     )
 
 
+# Multimodal checkpoints whose text model pagedllm runs (their vision towers left unread until
+# images are supported): the architecture -> its text model's.
+_TEXT_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
 def config_from_hf(cfg: dict) -> ModelArchConfig:
     archs = cfg.get("architectures") or []
+    text = next((_TEXT_OF[a] for a in archs if a in _TEXT_OF), None)
+    if text is not None and isinstance(cfg.get("text_config"), dict):
+        tied = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))
+        cfg = {**cfg["text_config"], "architectures": [text], "tie_word_embeddings": bool(tied)}
+        archs = [text]
     if "Gemma3ForConditionalGeneration" in archs:
         raise ValueError(
             "Gemma3ForConditionalGeneration (the multimodal checkpoint) is not supported: use a "

@@ -250,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
     # Checkpoint names -> ours, where an architecture names a layer its own way (Mixtral's
     # experts: w1 / w3 / w2 are gate / up / down), as re.sub patterns.
     _RENAMES = (
+        (r"^model\.language_model\.", "model."),  # Qwen3.5's text within its multimodal model
         (r"\.block_sparse_moe\.router\.layer\.", ".mlp.gate."),  # Granite 4.0-H's experts
         (r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
         (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
@@ -259,6 +260,10 @@ class LlamaForCausalLM(nn.Module):
         (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
         (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
     )
+
+    # Checkpoint tensors the model does not use: Qwen3-Next's and Qwen3.5's multi-token
+    # prediction layers, Qwen3.5's vision tower (images: not yet).
+    ignored_weights = re.compile(r"(mtp|model\.visual)\.")
 
     @property
     def weight_renames(self) -> tuple[tuple[str, str], ...]:

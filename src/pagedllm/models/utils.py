@@ -84,11 +84,15 @@ def load_weights(
 
 
 def _split(model, entries, renames) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """Entries renamed by the model's weight_renames, and each tensor that holds several of the
-    model's split by its split_weight (read at once: stacked experts)."""
+    """Entries renamed by the model's weight_renames (and those its ignored_weights match left
+    out, unread), and each tensor that holds several of the model's split by its split_weight
+    (read at once: stacked experts)."""
     split = getattr(model, "split_weight", None)
     split_names = getattr(model, "split_names", None)
+    ignored = getattr(model, "ignored_weights", None)
     for name, read in entries:
+        if ignored is not None and ignored.match(name):
+            continue
         for pattern, replacement in renames:
             name = pattern.sub(replacement, name)
         if split is None or not split_names.search(name):
