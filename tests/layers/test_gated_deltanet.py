@@ -14,6 +14,7 @@ from pagedllm.layers.gated_deltanet import (
     GatedDeltaNet,
     chunked_delta_rule,
     delta_rule_reference,
+    delta_rule_step,
 )
 from pagedllm.layers.recurrent import RecurrentState
 
@@ -136,3 +137,53 @@ def test_tiled_value_heads_compute_the_same_as_grouped_ones():
     x = torch.randn(70, 32, generator=torch.Generator().manual_seed(2))
     want = grouped(x, _pool(grouped, 1), [0], [0, 70], [True])
     torch.testing.assert_close(tiled(x, _pool(tiled, 1), [0], [0, 70], [True]), want)
+
+
+@pytest.mark.parametrize("dv", [128, 20])  # whole vectors, and a tail
+def test_the_decode_kernel_equals_the_torch_step(dv):
+    """The C++ one-step update against delta_rule_step, the states of the rows' slots only:
+    within float32 rounding (the decay is applied after S^T k's sum there, before it here)."""
+    from pagedllm import kernels
+
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    g = torch.Generator().manual_seed(dv)
+    rows, heads, dk = 5, 3, 32
+    ssm = torch.randn(8, heads, dk, dv, generator=g)
+    slots = torch.tensor([3, 0, 7, 1, 5])
+    q = torch.nn.functional.normalize(torch.randn(rows, heads, dk, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(rows, heads, dk, generator=g), dim=-1)
+    v = torch.randn(rows, heads, dv, generator=g)
+    decay = -torch.rand(rows, heads, generator=g) * 2
+    beta = torch.rand(rows, heads, generator=g)
+    want = ssm.clone()
+    want_o = torch.stack([
+        delta_rule_step(q[r : r + 1], k[r : r + 1], v[r : r + 1], decay[r : r + 1],
+                        beta[r : r + 1], want[s][None])[0]
+        for r, s in enumerate(slots.tolist())
+    ])  # fmt: skip
+    o = torch.empty(rows, heads, dv)
+    kernels.cpu_ops().delta_rule_state_update(ssm, slots, q, k, v, decay, beta, o)
+    torch.testing.assert_close(ssm, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+    untouched = [s for s in range(8) if s not in slots.tolist()]
+    assert torch.equal(ssm[untouched], want[untouched])
+
+
+@torch.inference_mode()
+def test_decode_rows_step_alike_with_and_without_the_kernel(monkeypatch):
+    """The torch path (no C++ kernels) steps each state where it lies, as the kernel does."""
+    from pagedllm import kernels
+
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    layer = _layer(_config())
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(kernels, "fused_cpu_ops_apply", lambda t, fused=fused: fused)
+        pool = _pool(layer, 2)
+        out = [layer(x[:30], pool, [1], [0, 30], [True])]
+        out += [layer(x[i : i + 1], pool, [1], [0, 1], [False]) for i in range(30, 40)]
+        outs.append(torch.cat(out))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -11,7 +11,8 @@ L2-normalised (q also scaled by key dim ** -0.5), g <= 0 the token's log decay a
 (the delta rule: S moves its prediction for k towards v). o is normalised per head and gated by
 silu(z) (RMSNormGated), then projected out, as transformers' Qwen3NextGatedDeltaNet computes.
 
-Decode rows (one token of a sequence) update their states together; a prompt chunk is computed
+Decode rows (one token of a sequence) update their states in place (in C++: kernels/csrc/
+mamba_state.cpp, two passes over each state; delta_rule_step is its reference); a prompt chunk is computed
 CHUNK tokens at a time (chunked_delta_rule: within a chunk the deltas solve one unit lower
 triangular system), checked against the token-by-token recurrence (delta_rule_reference).
 """
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import kernels
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed import tp_group
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -116,11 +118,20 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         o = torch.empty_like(v)
         singles, rows = single_rows(query_start_loc)
-        if singles:  # decode: the sequences' states gathered, stepped, written back
-            idx = torch.tensor([slots[i] for i in singles], device=v.device)
-            s = state.ssm[idx]
-            o[rows] = delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], s)
-            state.ssm.index_copy_(0, idx, s)
+        if singles and kernels.fused_cpu_ops_apply(v):  # decode: two passes over each state
+            idx = torch.tensor([slots[i] for i in singles])
+            o_rows = torch.empty_like(v[rows])
+            kernels.cpu_ops().delta_rule_state_update(
+                state.ssm, idx, q[rows], k[rows], v[rows], g[rows].contiguous(),
+                beta[rows].contiguous(), o_rows,
+            )  # fmt: skip
+            o[rows] = o_rows
+        elif singles:  # each state stepped where it lies (MiBs a sequence: no gathered copy)
+            for i, row in zip(singles, rows, strict=True):
+                part = slice(row, row + 1)
+                o[part] = delta_rule_step(
+                    q[part], k[part], v[part], g[part], beta[part], state.ssm[slots[i]][None]
+                )
         for i, slot in enumerate(slots):
             start, end = query_start_loc[i], query_start_loc[i + 1]
             if end - start == 1:

@@ -1,4 +1,6 @@
-// The Mamba-2 decode step on CPU: each sequence's SSM state h [heads, head_dim, state] updated
+// The recurrent layers' decode steps on CPU (Mamba-2's, and the Gated DeltaNet's below).
+//
+// The Mamba-2 decode step: each sequence's SSM state h [heads, head_dim, state] updated
 // in place in its slot of the pool and read out in the same pass,
 //     h = exp(dt * A) * h + (dt * x) (outer) B        y = h . C
 // one pass over h (MiBs a sequence at 1B sizes: the step's cost is reading and writing it),
@@ -14,6 +16,7 @@
 
 #include <cmath>
 #include <initializer_list>
+#include <vector>
 
 namespace pagedllm {
 
@@ -68,9 +71,81 @@ void mamba_state_update(at::Tensor ssm, const at::Tensor& slots, const at::Tenso
   });
 }
 
+// The Gated DeltaNet decode step: each sequence's state S [value heads, key dim, value dim] in
+// its slot, for one token (q, k L2-normalised, q scaled; g its log decay, beta its write):
+//     S = exp(g) S        delta = beta (v - S^T k)        S = S + k delta^T        o = S^T q
+// in two passes over S (S^T k from the old state times exp(g), then S rewritten row by row and
+// o gathered from the new rows), where torch's ops make five. layers/gated_deltanet.py's
+// delta_rule_step is the reference (the decay is applied after the sum here: within rounding).
+//
+// ssm [slots, heads, dk, dv], slots [rows] int64, q / k [rows, heads, dk], v [rows, heads, dv],
+// g / beta [rows, heads], all float32 and contiguous; o [rows, heads, dv] written.
+void delta_rule_state_update(at::Tensor ssm, const at::Tensor& slots, const at::Tensor& q,
+                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                             const at::Tensor& beta, at::Tensor o) {
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&ssm, &q, &k, &v, &g, &beta, &o}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "delta_rule_state_update: float32, contiguous tensors");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "delta_rule_state_update: slots int64 [rows]");
+  TORCH_CHECK(ssm.dim() == 4, "delta_rule_state_update: ssm [slots, heads, dk, dv]");
+  const int64_t rows = slots.size(0), heads = ssm.size(1), dk = ssm.size(2), dv = ssm.size(3);
+  TORCH_CHECK(q.numel() == rows * heads * dk && k.numel() == q.numel() &&
+                  v.numel() == rows * heads * dv && o.numel() == v.numel() &&
+                  g.numel() == rows * heads && beta.numel() == g.numel(),
+              "delta_rule_state_update: shapes do not match the state's");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < ssm.size(0),
+                "delta_rule_state_update: slot out of range");
+  }
+  using Vec = at::vec::Vectorized<float>;
+  float* s_ptr = ssm.data_ptr<float>();
+  const float *q_ptr = q.data_ptr<float>(), *k_ptr = k.data_ptr<float>();
+  const float *v_ptr = v.data_ptr<float>(), *g_ptr = g.data_ptr<float>();
+  const float* beta_ptr = beta.data_ptr<float>();
+  float* o_ptr = o.data_ptr<float>();
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> delta(dv);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / heads, hd = t % heads;
+      float* s = s_ptr + (slot[r] * heads + hd) * dk * dv;
+      const float *qv = q_ptr + t * dk, *kv = k_ptr + t * dk, *vv = v_ptr + t * dv;
+      float* out = o_ptr + t * dv;
+      const float decay = std::exp(g_ptr[t]);
+      for (int64_t j = 0; j < dv; j += Vec::size()) {  // delta = S^T k, over the old S
+        const int64_t n = std::min<int64_t>(Vec::size(), dv - j);
+        Vec acc(0.f);
+        for (int64_t i = 0; i < dk; ++i) {
+          acc = acc + Vec(kv[i]) * Vec::loadu(s + i * dv + j, n);
+        }
+        const Vec d = Vec(beta_ptr[t]) * (Vec::loadu(vv + j, n) - Vec(decay) * acc);
+        d.store(delta.data() + j, n);
+      }
+      for (int64_t j = 0; j < dv; j += Vec::size()) {  // S = decay S + k delta^T; o = S^T q
+        const int64_t n = std::min<int64_t>(Vec::size(), dv - j);
+        const Vec d = Vec::loadu(delta.data() + j, n);
+        Vec acc(0.f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = s + i * dv + j;
+          const Vec sv = Vec(decay) * Vec::loadu(row, n) + Vec(kv[i]) * d;
+          sv.store(row, n);
+          acc = acc + Vec(qv[i]) * sv;
+        }
+        acc.store(out + j, n);
+      }
+    }
+  });
+}
+
 }  // namespace pagedllm
 
 void register_mamba_state(pybind11::module& m) {
+  m.def("delta_rule_state_update", &pagedllm::delta_rule_state_update,
+        "Gated DeltaNet decode step in place: (ssm [slots, heads, dk, dv], slots [rows], q, k, v, "
+        "g, beta, o [rows, heads, dv] out)");
   m.def("mamba_state_update", &pagedllm::mamba_state_update,
         "Mamba-2 decode step in place: (ssm [slots, heads, head_dim, state], slots [rows], x, dt, "
         "a, b, c, y [rows, heads, head_dim] out)");
