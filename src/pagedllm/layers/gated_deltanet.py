@@ -12,9 +12,9 @@ L2-normalised (q also scaled by key dim ** -0.5), g <= 0 the token's log decay a
 silu(z) (RMSNormGated), then projected out, as transformers' Qwen3NextGatedDeltaNet computes.
 
 Decode rows (one token of a sequence) update their states in place (in C++: kernels/csrc/
-mamba_state.cpp, two passes over each state; delta_rule_step is its reference); a prompt chunk is computed
-CHUNK tokens at a time (chunked_delta_rule: within a chunk the deltas solve one unit lower
-triangular system), checked against the token-by-token recurrence (delta_rule_reference).
+mamba_state.cpp, two passes over each state; delta_rule_step is its reference); a prompt chunk
+is computed CHUNK tokens at a time (chunked_delta_rule: within a chunk the deltas solve one unit
+lower triangular system), checked against the token-by-token recurrence (delta_rule_reference).
 """
 
 from __future__ import annotations
