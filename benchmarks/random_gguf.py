@@ -18,6 +18,7 @@ written (Llama 3's "llama3" rope factors): the speed and memory are the same.
     python -m benchmarks.random_gguf /tmp/llama-1b-untied.gguf --type Q4_K_M --untied
     python -m benchmarks.random_gguf /tmp/moe-a3b.gguf --shape moe-a3b   # Mixtral's layout
     python -m benchmarks.random_gguf /tmp/hybrid-1b.gguf --shape hybrid-1b   # granitehybrid
+    python -m benchmarks.random_gguf /tmp/gdn-1b.gguf --shape gdn-1b   # qwen35
 
 llama-1b writes context_length 131072 as Llama 3.2 does; the engine caps it by --max-model-len.
 """
@@ -54,6 +55,13 @@ SHAPES = {
                       num_kv_heads=4, rope_theta=10000.0, rms_eps=1e-5, context_length=131072,
                       attention_layers=(5, 13, 21, 29), mamba_heads=48, mamba_head_dim=64,
                       mamba_state=128, mamba_groups=1, mamba_conv=4),
+    # A Qwen3.5-like hybrid of about 1.2B (llama.cpp's qwen35): 3 Gated DeltaNet layers (16 key
+    # and 16 value heads of 128) to 1 gated attention layer (8 heads of 256, 2 KV heads, a
+    # quarter of each head rotated), a dense MLP in every layer.
+    "gdn-1b": dict(hidden_size=2048, intermediate_size=4096, num_layers=24, num_heads=8,
+                   num_kv_heads=2, rope_theta=10000000.0, rms_eps=1e-6, context_length=262144,
+                   head_dim=256, full_attention_interval=4, linear_heads=16, linear_head_dim=128,
+                   linear_conv=4),
     # Its dense twin: one MLP of the 8 used experts' size, the same active parameters.
     "dense-a3b": dict(hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=16,
                       num_kv_heads=4, rope_theta=1000000.0, rms_eps=1e-6, context_length=40960),
@@ -81,7 +89,13 @@ def more_bits(layer: int, num_layers: int) -> bool:
 
 
 def head_dim(shape: dict) -> int:
-    return shape["hidden_size"] // shape["num_heads"]
+    return shape.get("head_dim") or shape["hidden_size"] // shape["num_heads"]
+
+
+def is_linear(shape: dict, layer: int) -> bool:
+    """A Gated DeltaNet layer of a qwen35 shape: all but every full_attention_interval-th."""
+    interval = shape.get("full_attention_interval")
+    return bool(interval) and (layer + 1) % interval != 0
 
 
 def tensor_plan(
@@ -99,6 +113,18 @@ def tensor_plan(
         p, more = f"blk.{i}.", Q.Q6_K if k_mix and more_bits(i, n) else qtype
         if "attention_layers" in shape and i not in shape["attention_layers"]:
             plan += [(p + "attn_norm.weight", Q.F32, (h,)), *_mamba_plan(shape, p, qtype)]
+        elif is_linear(shape, i):
+            plan += [(p + "attn_norm.weight", Q.F32, (h,)), *_gdn_plan(shape, p, qtype)]
+        elif shape.get("full_attention_interval"):  # gated: q_proj gives each head's gate too
+            plan += [
+                (p + "attn_norm.weight", Q.F32, (h,)),
+                (p + "attn_q.weight", qtype, (2 * q, h)),
+                (p + "attn_k.weight", qtype, (kv, h)),
+                (p + "attn_v.weight", more, (kv, h)),
+                (p + "attn_output.weight", qtype, (h, q)),
+                (p + "attn_q_norm.weight", Q.F32, (d,)),
+                (p + "attn_k_norm.weight", Q.F32, (d,)),
+            ]
         else:
             plan += [
                 (p + "attn_norm.weight", Q.F32, (h,)),
@@ -107,7 +133,8 @@ def tensor_plan(
                 (p + "attn_v.weight", more, (kv, h)),
                 (p + "attn_output.weight", qtype, (h, q)),
             ]
-        plan.append((p + "ffn_norm.weight", Q.F32, (h,)))
+        norm = "post_attention_norm" if shape.get("full_attention_interval") else "ffn_norm"
+        plan.append((p + f"{norm}.weight", Q.F32, (h,)))
         if shape.get("num_experts"):  # Mixtral's layout: stacked [experts, out, in] tensors
             e, fe = shape["num_experts"], shape["expert_size"]
             plan += [
@@ -141,6 +168,23 @@ def _mamba_plan(shape: dict, p: str, qtype: Q) -> list[tuple[str, Q, tuple[int, 
         (p + "ssm_a", NEGATIVE, (heads, 1)),
         (p + "ssm_d", Q.F32, (heads, 1)),
         (p + "ssm_norm.weight", Q.F32, (groups, inner // groups)),
+        (p + "ssm_out.weight", qtype, (h, inner)),
+    ]
+
+
+def _gdn_plan(shape: dict, p: str, qtype: Q) -> list[tuple[str, Q, tuple[int, ...]]]:
+    """A Gated DeltaNet layer's tensors as llama.cpp's qwen35 files hold them."""
+    h, heads, dim = shape["hidden_size"], shape["linear_heads"], shape["linear_head_dim"]
+    inner = heads * dim
+    return [
+        (p + "attn_qkv.weight", qtype, (3 * inner, h)),
+        (p + "attn_gate.weight", qtype, (inner, h)),
+        (p + "ssm_conv1d.weight", SMALL, (3 * inner, shape["linear_conv"])),
+        (p + "ssm_dt.bias", SMALL, (heads,)),
+        (p + "ssm_a", NEGATIVE, (heads,)),
+        (p + "ssm_beta.weight", SMALL, (heads, h)),
+        (p + "ssm_alpha.weight", SMALL, (heads, h)),
+        (p + "ssm_norm.weight", Q.F32, (dim,)),
         (p + "ssm_out.weight", qtype, (h, inner)),
     ]
 
@@ -213,7 +257,9 @@ def write_random_gguf(
     if dims["hidden_size"] % dims["num_heads"] or dims["num_heads"] % dims["num_kv_heads"]:
         raise ValueError(f"heads must divide hidden_size and kv heads divide heads: {dims}")
     hybrid = "attention_layers" in dims
-    w = gguf.GGUFWriter(str(path), "granitehybrid" if hybrid else "llama")
+    gdn = bool(dims.get("full_attention_interval"))
+    arch = "qwen35" if gdn else "granitehybrid" if hybrid else "llama"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random-{shape}-{qtype.lower()}")
     w.add_block_count(dims["num_layers"])
     w.add_context_length(dims["context_length"])
@@ -232,11 +278,22 @@ def write_random_gguf(
         w.add_ssm_time_step_rank(dims["mamba_heads"])
         w.add_expert_shared_feed_forward_length(dims["intermediate_size"])
         w.add_rope_scaling_finetuned(False)  # no RoPE, as Granite 4.0-H
+    elif gdn:  # the Gated DeltaNet's sizes in the ssm keys, as llama.cpp's converter writes
+        w.add_head_count_kv(dims["num_kv_heads"])
+        heads, dim, n = dims["linear_heads"], dims["linear_head_dim"], dims["num_layers"]
+        w.add_ssm_conv_kernel(dims["linear_conv"])
+        w.add_ssm_state_size(dim)
+        w.add_ssm_group_count(heads)
+        w.add_ssm_time_step_rank(heads)
+        w.add_ssm_inner_size(heads * dim)
+        w.add_array(f"{arch}.attention.recurrent_layers", [is_linear(dims, i) for i in range(n)])
+        w.add_full_attention_interval(dims["full_attention_interval"])
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     else:
         w.add_head_count_kv(dims["num_kv_heads"])
     w.add_layer_norm_rms_eps(dims["rms_eps"])
     w.add_rope_freq_base(dims["rope_theta"])
-    w.add_rope_dimension_count(head_dim(dims))
+    w.add_rope_dimension_count(head_dim(dims) // 4 if gdn else head_dim(dims))
     w.add_key_length(head_dim(dims))
     w.add_value_length(head_dim(dims))
     if dims.get("num_experts"):
