@@ -56,7 +56,8 @@ class ModelArchConfig:
     is_encoder: bool = False
     layer_norm_eps: float = 1e-12
     # The checkpoint holds weights in codes pagedllm multiplies as they are (a GGUF's Q4_0,
-    # Q4_1, Q4_K, Q5_0 or Q8_0 tensors): --dtype auto multiplies them in integers on CPU.
+    # Q4_1, Q4_K, Q5_0 or Q8_0 tensors, ...; gpt-oss's MXFP4 experts in safetensors): --dtype
+    # auto multiplies them in integers on CPU.
     quantized_codes: bool = False
     type_vocab_size: int = 2
     # Mixture of experts (Qwen3-MoE, Mixtral): each token's MLP is the weighted sum of

@@ -148,7 +148,7 @@ def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
             else f"in steps of up to {method.max_code_rows} rows"
         )
         logger.info(
-            "weights: %.1f MiB (%s), of which %.1f MiB are the GGUF's codes of %d layers, "
+            "weights: %.1f MiB (%s), of which %.1f MiB are the checkpoint's codes of %d layers, "
             "multiplied %s (--quantization none: float only)",
             num_bytes / 2**20, dtype_name, code_bytes / 2**20, len(dual), when,
         )  # fmt: skip
@@ -174,8 +174,8 @@ def _log_weights(model: nn.Module, method: str, dtype: torch.dtype) -> None:
 
 
 def _log_int8_act(model: nn.Module, num_bytes: int) -> None:
-    """The integer path (the default for a GGUF's codes on CPU): which layers, which kernel,
-    and what stays float."""
+    """The integer path (the default on CPU for a checkpoint's codes: a GGUF's, gpt-oss's MXFP4
+    experts): which layers, which kernel, and what stays float."""
     integer, kept = [], []
     for name, module in model.named_modules():
         m = getattr(module, "quant_method", None)
@@ -185,8 +185,9 @@ def _log_int8_act(model: nn.Module, num_bytes: int) -> None:
             kept.append(name)
     variant = kernels.cpu_ops().int8_act_variants()[0]
     logger.info(
-        "weights: %.1f MiB, of which %.1f MiB are the GGUF's codes of %d layers, multiplied in "
-        "integers with 8-bit activations (%s kernel; --dtype float32: exact float products)",
+        "weights: %.1f MiB, of which %.1f MiB are the checkpoint's codes of %d layers, "
+        "multiplied in integers with 8-bit activations (%s kernel; --dtype float32: exact float "
+        "products)",
         num_bytes / 2**20, sum(integer) / 2**20, len(integer), variant,
     )  # fmt: skip
     if kept:

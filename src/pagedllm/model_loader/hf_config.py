@@ -279,6 +279,23 @@ def _gemma3_fields(cfg: dict) -> dict:
     )
 
 
+def _quantized_codes(arch: str, cfg: dict) -> bool:
+    """Whether the checkpoint's weights are codes pagedllm takes as they are: OpenAI's gpt-oss
+    experts in MXFP4 (mxfp4.py). Other quantization_configs (GPTQ, AWQ, bitsandbytes, FP8...)
+    store layouts no loader here reads: refused here, not as a puzzle of unexpected tensors."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return False
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "mxfp4" and arch == "GptOssForCausalLM":
+        return True
+    raise ValueError(
+        f"quantization_config's quant_method {method!r} ({arch}) is not supported: of quantized "
+        "checkpoints, pagedllm reads gpt-oss's MXFP4 experts only. Load the unquantized "
+        "checkpoint (pagedllm quantizes it with --quantization int8 / int4) or a GGUF file"
+    )
+
+
 # Multimodal checkpoints whose text model pagedllm runs (their vision towers left unread until
 # images are supported): the architecture -> its text model's.
 _TEXT_OF = {
@@ -337,6 +354,7 @@ def config_from_hf(cfg: dict) -> ModelArchConfig:
         sliding_window=sliding_window,
         layer_types=layer_types,
         partial_rotary_factor=partial_rotary_factor,
+        quantized_codes=_quantized_codes(arch, cfg),
         **_arch_options(arch, cfg),
     )
     return ModelArchConfig(**{**fields, **extra})

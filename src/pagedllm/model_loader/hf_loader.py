@@ -1,5 +1,5 @@
-"""Loading a Hugging Face model directory: its weights (*.safetensors, sharded too), with the config
-and tokenizer hf_config.py reads."""
+"""Loading a Hugging Face model directory: its weights (*.safetensors, sharded too; gpt-oss's MXFP4
+experts as codes, mxfp4.py), with the config and tokenizer hf_config.py reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from pagedllm.model_loader.hf_config import config_from_file, load_hf_tokenizer, read_json
-from pagedllm.model_loader.loaded_model import LazyWeights, LoadedModel
+from pagedllm.model_loader.loaded_model import LazyCodes, LazyWeights, LoadedModel
+from pagedllm.model_loader.mxfp4 import mxfp4_checkpoint
 
 # Pickle checkpoints: loading one runs whatever code it carries, so they need an explicit opt-in.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -71,9 +72,10 @@ def _load_pickle_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _lazy_safetensors(directory: Path, files: list[str]) -> LazyWeights:
-    """Each tensor read from its file when asked for (safe_open maps the file)."""
-    readers = {}
+def _open_safetensors(directory: Path, files: list[str]) -> dict:
+    """Each tensor's name -> the safe_open handle of its file (which maps the file: nothing is
+    read until a tensor is asked for)."""
+    handles = {}
     for name in files:
         path = directory / name
         try:
@@ -84,8 +86,21 @@ def _lazy_safetensors(directory: Path, files: list[str]) -> LazyWeights:
             ) from None
         for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
             if not key.endswith("rotary_emb.inv_freq"):
-                readers[key] = functools.partial(handle.get_tensor, key)
-    return LazyWeights(readers)
+                handles[key] = handle
+    return handles
+
+
+def _lazy_safetensors(directory: Path, files: list[str]) -> LazyWeights:
+    """Each tensor read from its file when asked for."""
+    handles = _open_safetensors(directory, files)
+    return LazyWeights({k: functools.partial(h.get_tensor, k) for k, h in handles.items()})
+
+
+def _safetensors_files(directory: Path) -> list[str]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return _index_files(index)
+    return sorted(p.name for p in directory.glob("*.safetensors"))
 
 
 def load_safetensors(
@@ -94,11 +109,7 @@ def load_safetensors(
     """The weights of a HF directory: *.safetensors (sharded too). A directory with only pickle
     checkpoints (pytorch_model.bin, *.pt, *.pth) is refused unless `allow_pickle`. `lazy`:
     safetensors read one tensor at a time as the model takes them (pickles load whole)."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = _index_files(index)
-    else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    files = _safetensors_files(directory)
     load = _load_safetensors_file
     if not files:
         pickles = _pickle_files(directory)
@@ -122,25 +133,45 @@ def load_safetensors(
     return {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
+def _load_mxfp4(directory: Path, num_experts: int, keep_codes: bool):
+    """gpt-oss's MXFP4 experts (mxfp4.py): always read lazily, never all in float at once."""
+    files = _safetensors_files(directory)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {directory} (MXFP4 checkpoint)")
+    try:
+        return mxfp4_checkpoint(_open_safetensors(directory, files), num_experts, keep_codes)
+    except ValueError as e:
+        raise ValueError(f"{directory}: {e}") from None
+
+
 def load_hf_dir(
     path: str | os.PathLike,
     tokenizer: str | os.PathLike | None = None,
     allow_pickle: bool = False,
     lazy: bool = False,
     with_tokenizer: bool = True,
+    keep_codes: bool = False,
 ) -> LoadedModel:
     """`allow_pickle`: load pytorch_model.bin / *.pt weights (with torch.load(weights_only=True))
-    when the directory has no safetensors; refused by default. `lazy`: see load_safetensors."""
+    when the directory has no safetensors; refused by default. `lazy`: see load_safetensors.
+    `keep_codes`: also give gpt-oss's MXFP4 experts as int6 codes (LoadedModel.quant_codes)."""
     directory = Path(path)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(
             f"{directory} has no config.json: not a Hugging Face model directory"
         )
     config = config_from_file(directory / "config.json")
-    weights = load_safetensors(directory, allow_pickle, lazy)
+    codes = LazyCodes()
+    # hf_config.py sets quantized_codes for OpenAI's MXFP4 experts only (it refuses other
+    # quant_methods): lazy whatever `lazy` says, as a float copy of them is what does not fit.
+    if config.quantized_codes:
+        weights, codes = _load_mxfp4(directory, config.num_experts, keep_codes)
+    else:
+        weights = load_safetensors(directory, allow_pickle, lazy)
     return LoadedModel(
         config=config,
         weights=weights,
+        quant_codes=codes,
         tokenizer=load_hf_tokenizer(tokenizer or directory) if with_tokenizer else None,
         name=directory.name,
         source=str(directory),

@@ -37,9 +37,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
 
 class LazyCodes(LazyWeights):
-    """A GGUF's 4- and 8-bit blocks as codes (gguf_codes.py), decoded when asked for; `kinds`
-    tells which each is (Int4Weight or Int8Weight) before anything is decoded, for the layers to
-    be built to take them."""
+    """A GGUF's 4- and 8-bit blocks (gguf_codes.py) or gpt-oss's MXFP4 experts (mxfp4.py) as
+    codes, decoded when asked for; `kinds` tells which each is (Int4Weight, Int8Weight or
+    Int8xWeight) before anything is decoded, for the layers to be built to take them."""
 
     def __init__(
         self,
@@ -62,7 +62,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor] | LazyWeights
     tokenizer: Tokenizer | None
     name: str
-    # HF weight names -> int4 / int8 codes, for weights a GGUF stores in 4- or 8-bit blocks (only
-    # when asked for, see load_gguf's keep_codes); `weights` holds them dequantized all the same.
+    # HF weight names -> int4 / int8 codes, for weights a GGUF stores in 4- or 8-bit blocks, or a
+    # gpt-oss checkpoint in MXFP4 (only when asked for, see load_gguf's and load_hf_dir's
+    # keep_codes); `weights` holds them dequantized all the same.
     quant_codes: LazyCodes = field(default_factory=LazyCodes)
     source: str | None = None  # the file or directory loaded, for error messages

@@ -165,7 +165,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a .gguf file, a HF directory, or a directory holding a single .gguf.
 
-    keep_codes: also return a GGUF's 4- and 8-bit blocks as codes (LoadedModel.quant_codes).
+    keep_codes: also return a GGUF's 4- and 8-bit blocks, and a gpt-oss safetensors checkpoint's
+    MXFP4 experts, as codes (LoadedModel.quant_codes).
     allow_pickle: a HF directory with only pytorch_model.bin / *.pt weights is loaded (with
     torch.load(weights_only=True)) instead of refused.
     lazy: the weights read one at a time as the model takes them (LazyWeights), so that a
@@ -176,9 +177,8 @@ def load_model(
 
     path = _model_path(model)
     if path.is_dir():
-        loaded = load_hf_dir(
-            path, allow_pickle=allow_pickle, lazy=lazy, with_tokenizer=with_tokenizer
-        )
+        loaded = load_hf_dir(path, allow_pickle=allow_pickle, lazy=lazy,
+                             with_tokenizer=with_tokenizer, keep_codes=keep_codes)  # fmt: skip
     elif path.suffix == ".gguf":
         loaded = load_gguf(path, keep_codes=keep_codes, lazy=lazy, with_tokenizer=with_tokenizer)
     elif path.suffix in PICKLE_SUFFIXES:
