@@ -33,12 +33,16 @@ class KVMemoryReport:
     spec: KVCacheSpec
     request_blocks: int  # pagedllm blocks one such request holds while decoding
     state_bytes: int = 0  # a hybrid model's recurrent state per sequence, whatever its length
+    # With prefix caching (the server's default), a hybrid model keeps a checkpoint of that
+    # state per sequence slot as well (core/state_checkpoints.py).
+    checkpoint_bytes: int = 0
 
     @property
     def num_requests(self) -> int:
         """Requests of max_model_len tokens that fit in kv_cache_memory, in pagedllm's blocks
-        (and state slots)."""
-        return self.kv_cache_memory // (self.request_bytes_paged + self.state_bytes)
+        (and state slots, and their checkpoints)."""
+        per_request = self.request_bytes_paged + self.state_bytes + self.checkpoint_bytes
+        return self.kv_cache_memory // per_request
 
     @property
     def request_bytes_paged(self) -> int:
@@ -52,6 +56,7 @@ def kv_memory_report(
     dtype: str = "bfloat16",
     block_size: int = 16,
     name: str = "",
+    prefix_caching: bool = True,
 ) -> KVMemoryReport:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -80,6 +85,7 @@ def kv_memory_report(
         spec=spec,
         request_blocks=spec.max_num_blocks(n),
         state_bytes=config.recurrent_state_bytes(elem),
+        checkpoint_bytes=config.recurrent_state_bytes(elem) if prefix_caching else 0,
     )
 
 
@@ -131,5 +137,8 @@ def format_report(r: KVMemoryReport) -> str:
         state = (
             f"{c.recurrent_kind} state per sequence ({c.num_recurrent_layers} layers, any length): "
         )
-        lines.insert(-1, state + f"{_size(r.state_bytes)}; the server holds --max-num-seqs")
+        state += f"{_size(r.state_bytes)}; the server holds --max-num-seqs"
+        if r.checkpoint_bytes:
+            state += ", and as many prefix-caching checkpoints of it"
+        lines.insert(-1, state)
     return "\n".join(lines)

@@ -4,7 +4,10 @@ the state pool, carried across prompt chunks and decode steps, alone and batched
 sizes 1 / 16 / 32, after preemption (by recompute: the slot is freed and the prompt recomputed
 from a fresh one; by swap: the state waits in the runner's host stash while the blocks are in
 the swap space, and comes back into any free slot), and copied to each fork (n seeded samples,
-beam search). What hybrids cannot do yet is refused with the reason."""
+beam search; a beam group within its width of slots). With prefix caching, a prompt's state is
+checkpointed at its last full block and a later prompt's hit restores it (its tokens and
+log-probabilities those of a run without the cache). What hybrids cannot do yet is refused
+with the reason."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from tests.engine.test_sequence_groups import (
     check_beams_equal_hf,
     check_forks_equal_independent_runs,
     check_pool,
+    hf_beam_search,
 )
 from tests.models.test_architectures import ARCHS, BASE, random_hf_model
 
@@ -85,8 +89,10 @@ def test_greedy_equals_transformers_alone_and_batched(tiny, block_size, budget):
 
 def test_preemption_recomputes_from_a_fresh_state(tiny):
     path, _, want = tiny
-    # 16 blocks of 4 for the attention layer: each sequence needs 6-10 of them.
-    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16, max_num_seqs=4)
+    # 16 blocks of 4 for the attention layer: each sequence needs 6-10 of them. (Without
+    # prefix caching: with it, a sequence may resume from its prompt's checkpoint, below.)
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16, max_num_seqs=4,
+                   enable_prefix_caching=False)  # fmt: skip
     assert greedy(llm) == want
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
@@ -149,9 +155,9 @@ def test_swapped_forked_seeded_samples_equal_an_unconstrained_run(tiny):
 def test_swapped_beams_equal_transformers(tiny):
     """Beam groups swapped out and back in whole: each beam's state is its own."""
     path, hf, _ = tiny
-    # 20 slots for 5 groups of 2 beams: a step's new beams are forked before the pruned ones
-    # leave, so a group holds up to twice its width for that moment.
-    llm = swapping_llm(path, max_num_seqs=20)
+    # 10 slots for 5 groups of 2 beams: a step's pruned beams leave before its new beams are
+    # forked, so a group never holds more than its width (test_beams_fit_in_max_num_seqs_slots).
+    llm = swapping_llm(path, max_num_seqs=10)
     check_beams_equal_hf(llm, hf, PROMPTS[:5], 2, [2])
     assert llm.llm_engine.scheduler.num_swap_preemptions_total > 0
     pool = runner_of(llm.llm_engine).state_pool
@@ -159,18 +165,26 @@ def test_swapped_beams_equal_transformers(tiny):
     assert not pool.stashed
 
 
-def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_refused(tiny):
+def test_the_state_and_its_checkpoints_are_counted_in_the_memory_budget(tiny):
+    """And the features hybrids lack are refused."""
     path, _, _ = tiny
     small, large = (make_llm(path, block_size=4, max_num_seqs=n) for n in (4, 64))
     runner = runner_of(small.llm_engine)
     per_slot = sum(s.conv[0].nbytes + s.ssm[0].nbytes for s in runner.state_pool.layers.values())
     spec = small.llm_engine.kv_cache_spec
-    slots_bytes = (64 - 4) * per_slot
+    # A slot per sequence, and a prefix-caching checkpoint per slot (as many again).
+    cache = small.llm_engine.config.cache
+    assert cache.enable_prefix_caching and cache.num_state_checkpoints == 4
+    assert all(c.ssm.shape[0] == 4 for c in runner.state_pool.checkpoints.values())
+    slots_bytes = (64 - 4) * 2 * per_slot
     assert small.llm_engine.num_blocks - large.llm_engine.num_blocks == pytest.approx(
         slots_bytes / spec.bytes_per_block, abs=1
     )
-    cache = small.llm_engine.config.cache
-    assert not cache.enable_prefix_caching
+    off = make_llm(path, block_size=4, max_num_seqs=64, enable_prefix_caching=False)
+    assert off.llm_engine.config.cache.num_state_checkpoints == 0
+    assert off.llm_engine.num_blocks - large.llm_engine.num_blocks == pytest.approx(
+        64 * per_slot / spec.bytes_per_block, abs=1
+    )
     assert small.llm_engine.config.scheduler.max_stashed_seqs is None  # recompute: no stash
     with pytest.raises(ValueError, match="hybrid models .* --speculative-config"):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -180,8 +194,11 @@ def test_the_state_is_counted_in_the_memory_budget_and_features_it_lacks_are_ref
     # request's blocks in 5 MiB.
     with pytest.raises(ValueError, match="the Mamba state of --max-num-seqs 250 .* lower --max"):
         make_llm(path, kv_cache_memory="5MiB", max_num_seqs=250)
-    # Left at its default, it is lowered to the states that fill half the memory.
+    # Left at its default, it is lowered to the states (and their checkpoints) that fill half
+    # the memory.
     llm = make_llm(path, kv_cache_memory="2MiB")
+    assert llm.llm_engine.config.scheduler.max_num_seqs == 2**20 // (2 * per_slot)
+    llm = make_llm(path, kv_cache_memory="2MiB", enable_prefix_caching=False)
     assert llm.llm_engine.config.scheduler.max_num_seqs == 2**20 // per_slot
 
 
@@ -200,3 +217,153 @@ def test_beam_search_equals_transformers(tiny, width):
     pool = runner_of(llm.llm_engine).state_pool
     pool.check_integrity()
     assert pool.num_used <= 2 * width  # pruned beams' slots went back
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beams_fit_in_max_num_seqs_slots(tiny, mode):
+    """5 groups of 2 beams in 8 slots: a step's pruned beams give their slots back before its
+    new beams are forked, so a group never holds more than its width."""
+    path, hf, _ = tiny
+    swap = dict(preemption_mode="swap", swap_space=0.001) if mode == "swap" else {}
+    llm = make_llm(path, block_size=4, max_num_seqs=8, **swap)
+    check_beams_equal_hf(llm, hf, PROMPTS[:5], 2, [2])
+    pool = runner_of(llm.llm_engine).state_pool
+    assert pool.num_slots == 8
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-caching", "caching"])
+def test_recomputed_beams_in_chunks_keep_their_states(tiny, prefix_caching):
+    """Beam groups preempted by recompute come back in chunks of 5 tokens that their beams
+    share: a beam that a step leaves out keeps its slot (only sequences that left lose
+    theirs), its beams' scores those of a run without preemption."""
+    path, _, _ = tiny
+    params = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=24)
+    want = run(make_llm(path, block_size=4, enable_prefix_caching=False), PROMPTS, params)
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=20, max_num_batched_tokens=5,
+                   enable_prefix_caching=prefix_caching)  # fmt: skip
+    got = run(llm, PROMPTS, params)
+    assert tokens(got) == tokens(want)
+    assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-4)
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+# -- prefix caching: recurrent-state checkpoints (core/state_checkpoints.py) --------------------
+COMMON = [(11 * j + 5) % 120 + 3 for j in range(40)]
+FIRST = [COMMON[:37], COMMON[:20] + [5, 6, 7], [9, 8, 7] + COMMON[:30]]  # 37, 23, 33 tokens
+SECOND = [p + [40 + i, 50, 60, 70, 80, 90, 100] for i, p in enumerate(FIRST)]  # next turns
+
+
+def checkpointed(prompt: list[int], block_size: int) -> int:
+    """Where a prompt's state is checkpointed: its last full block before its last token."""
+    return (len(prompt) - 1) // block_size * block_size
+
+
+def logprobs(outputs) -> list[float]:
+    return [c.cumulative_logprob for o in outputs for c in o.outputs]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny):
+    """transformers' greedy continuations of FIRST + SECOND."""
+    _, hf, _ = tiny
+    return [[hf_greedy(hf, p, NEW_TOKENS)] for p in FIRST + SECOND]
+
+
+@pytest.mark.parametrize("budget", [None, 5], ids=["whole-prompts", "chunked-5"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_prefix_hits_restore_checkpoints_and_equal_transformers(tiny, shared, block_size, budget):
+    """The first run checkpoints each prompt; the second hits there, for the same prompts and
+    for their extensions (a chat's next turn), then computes the rest (in chunks of 5 too)."""
+    path = tiny[0]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    kwargs = dict(block_size=block_size, max_num_batched_tokens=budget)
+    uncached = run(make_llm(path, enable_prefix_caching=False, **kwargs), FIRST + SECOND, params)
+    llm = make_llm(path, **kwargs)
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    first = run(llm, FIRST, params)
+    assert tokens(first) == shared[:3] and kv.prefix_cache_hits == 0
+    second = run(llm, FIRST + SECOND, params)
+    assert tokens(second) == tokens(first) + shared[3:]
+    # Each prompt hit its own checkpoint, and each next turn its first turn's: no deeper (only
+    # checkpointed blocks end a hit), no shallower.
+    assert kv.prefix_cache_hits == 2 * sum(checkpointed(p, block_size) for p in FIRST) > 0
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] == kv.prefix_cache_hits
+    # The tokens hardly depend on the SSM state; the log-probabilities show a lost one (~1e-3).
+    assert logprobs(second) == pytest.approx(logprobs(uncached), abs=1e-5)
+    # The first turns' checkpoints, and the next turns' own past them (none in a prompt
+    # shorter than two blocks).
+    firsts = [checkpointed(p, block_size) for p in FIRST]
+    nexts = [checkpointed(p, block_size) for p in SECOND]
+    assert len(kv.state_checkpoints) == sum(c > 0 for c in firsts) + sum(
+        n > c for n, c in zip(nexts, firsts, strict=True)
+    )
+
+
+def test_prefix_hits_under_seeded_samples_and_beams(tiny):
+    """n = 3 seeded samples and beam search on top of checkpoint hits: each fork copies the
+    restored state."""
+    path, hf, _ = tiny
+    samples = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=10, ignore_eos=True,
+                             logprobs=0)  # fmt: skip
+    uncached = run(make_llm(path, block_size=4, enable_prefix_caching=False), FIRST, samples)
+    llm = make_llm(path, block_size=4)
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    first = run(llm, FIRST, samples)
+    assert kv.prefix_cache_hits == 0
+    second = run(llm, FIRST, samples)
+    assert kv.prefix_cache_hits == sum(checkpointed(p, 4) for p in FIRST)
+    assert tokens(first) == tokens(second) == tokens(uncached)
+    assert logprobs(second) == pytest.approx(logprobs(uncached), abs=1e-5)
+
+    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=10,
+                           stop_token_ids=[2])  # fmt: skip
+    want = [hf_beam_search(hf, p, 2, 10, 1.0, False, [2]) for p in FIRST[:2]]
+    hits = kv.prefix_cache_hits
+    for _ in range(2):  # the samples' checkpoints, then the beams' own run's
+        for out, (hyps, scores) in zip(run(llm, FIRST[:2], beams), want, strict=True):
+            assert [c.token_ids for c in out.outputs] == hyps
+            ours = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
+            assert ours == pytest.approx(scores, abs=1e-4)
+    assert kv.prefix_cache_hits == hits + 2 * sum(checkpointed(p, 4) for p in FIRST[:2])
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_resume_from_their_checkpoints(tiny, mode):
+    """A sequence preempted by recompute hits its own prompt's checkpoint when readmitted (if
+    its blocks are still cached); swapping keeps working beside the checkpoints."""
+    path, _, want = tiny
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    swap = dict(preemption_mode="swap", swap_space=0.001) if mode == "swap" else {}
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=16, max_num_seqs=4, **swap)
+    got = run(llm, PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    alone = run(make_llm(path, block_size=4, enable_prefix_caching=False), PROMPTS, params)
+    assert logprobs(got) == pytest.approx(logprobs(alone), abs=1e-5)
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions_total > 0
+    if mode == "recompute":
+        assert engine.scheduler.kv_cache_manager.prefix_cache_hits > 0
+
+
+def test_gated_deltanet_prefix_hits_equal_transformers(tmp_path):
+    """The same checkpoints for a Qwen3-Next's Gated DeltaNet layers (a conv window and the
+    delta rule's S), hits followed by chunks of 5."""
+    config_cls, model_cls, fields = ARCHS["qwen3_next"]
+    hf = random_hf_model(config_cls, model_cls, {**BASE, **fields, "vocab_size": 128})
+    hf.save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = FIRST + SECOND
+    uncached = run(make_llm(str(tmp_path), block_size=4, enable_prefix_caching=False), prompts,
+                   params)  # fmt: skip
+    llm = make_llm(str(tmp_path), block_size=4, max_num_batched_tokens=5)
+    run(llm, FIRST, params)
+    got = run(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert logprobs(got) == pytest.approx(logprobs(uncached), abs=1e-5)
+    hits = llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_hits
+    assert hits == 2 * sum(checkpointed(p, 4) for p in FIRST)

@@ -1,6 +1,7 @@
 """The state pool's bookkeeping (worker/state_pool.py): slots assigned to new sequences, copied
-to forks, and given back for finished requests (forks included), pruned beams and preemption;
-a swapped-out sequence's state in the host stash and back into another slot."""
+to forks, and given back for finished requests (forks included) and preemption;
+a swapped-out sequence's state in the host stash and back into another slot; prefix caching's
+checkpoints saved from a slot and restored into a new sequence's."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.worker.state_pool import StatePool
 
 
-def _pool(num_slots: int = 4) -> StatePool:
+def _pool(num_slots: int = 4, num_checkpoints: int = 0) -> StatePool:
     config = ModelArchConfig(
         architecture="GraniteMoeHybridForCausalLM", vocab_size=10, hidden_size=16,
         intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
         head_dim=8, layer_types=["mamba", "full_attention", "mamba"], mamba_n_heads=2,
         mamba_d_head=16, mamba_d_state=4,
     )  # fmt: skip
-    return StatePool(config, num_slots, torch.float32, torch.device("cpu"))
+    return StatePool(config, num_slots, torch.float32, torch.device("cpu"), num_checkpoints)
 
 
 def test_slots_are_kept_per_sequence_and_come_back_with_their_request():
@@ -49,14 +50,6 @@ def test_a_fork_holds_a_copy_of_its_parents_state():
         assert state.ssm[parent].abs().sum() > 0
     pool.fork("gone", "gone#1")  # a preempted parent holds nothing: no slot for the child
     assert pool.num_used == 2
-
-
-def test_unscheduled_sequences_of_scheduled_requests_are_released():
-    pool = _pool()
-    pool.slots(["b", "b#1", "b#2", "other"], [0, 0, 0, 0])
-    pool.release_unscheduled(["b", "b#2"])  # b#1 was pruned; "other" is not in this step
-    assert pool.num_used == 3 and pool.slots(["other"], [9])  # others' slots are kept
-    pool.check_integrity()
 
 
 def test_a_sequence_resuming_without_state_or_past_the_slots_is_an_error():
@@ -112,4 +105,22 @@ def test_a_full_stash_refuses_a_swap_out_and_keeps_the_state_in_its_slot():
         pool.swap_out(["c"])
     assert pool.slots(["c"], [5]) == [c] and pool.stashed == {"a", "b"}
     assert all(torch.equal(x, y) for x, y in zip(_state(pool, c), want, strict=True))
+    pool.check_integrity()
+
+
+def test_a_checkpoint_is_saved_from_a_slot_and_restored_into_a_new_sequences_slot():
+    pool = _pool(num_slots=2, num_checkpoints=2)
+    (a,) = pool.slots(["a"], [0])
+    want = _fill(pool, a)
+    pool.save_checkpoints([("a", 1), ("gone", 0)])  # a sequence without a slot saves nothing
+    _fill(pool, a)  # a goes on past its checkpoint
+    pool.release(["a"])
+    (other,) = pool.slots(["other"], [0])
+    _fill(pool, other)
+    pool.load_checkpoints([("b", 1)])  # a prefix hit: b continues from a's checkpoint
+    (slot,) = pool.slots(["b"], [8])  # restored: no "resumes without state" error
+    assert slot != other and pool.num_used == 2
+    assert all(torch.equal(x, y) for x, y in zip(_state(pool, slot), want, strict=True))
+    with pytest.raises(RuntimeError, match="resumes at 8 tokens without state"):
+        pool.slots(["c"], [8])  # a hit never restored
     pool.check_integrity()

@@ -49,6 +49,10 @@ class CacheConfig:
     swap_space_bytes: int  # host memory for swapped-out blocks; 0 unless preemption swaps
     enable_prefix_caching: bool
     kv_allocation: str  # paged | max | pow2 | oracle
+    # A hybrid model's prefix caching: checkpoints of the recurrent state at prompts' last full
+    # block (core/state_checkpoints.py), as many as max_num_seqs; 0 for other models or
+    # without prefix caching.
+    num_state_checkpoints: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,9 +155,9 @@ class EngineConfig:
         # An encoder's prompt runs whole in one step: no chunks, no cached prefix (its
         # attention reads this step's tokens only).
         chunked_prefill = args.enable_chunked_prefill and not arch.is_encoder
-        # A hybrid model's cached prefix would need its recurrent state at the prefix's end,
-        # which is not kept yet: no prefix caching.
-        prefix_caching = args.enable_prefix_caching and not arch.is_encoder and not hybrid
+        # A hybrid model's cached prefix needs its recurrent state at the prefix's end: it
+        # keeps checkpoints of it, one per sequence slot (counted in its memory below).
+        prefix_caching = args.enable_prefix_caching and not arch.is_encoder
         if not chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
@@ -176,7 +180,7 @@ class EngineConfig:
             dtype = "float32"
         max_num_seqs = args.max_num_seqs
         if hybrid and kv_cache_memory is not None:
-            max_num_seqs = _hybrid_max_num_seqs(args, arch, kv_cache_memory, dtype)
+            max_num_seqs = _hybrid_max_num_seqs(args, arch, kv_cache_memory, dtype, prefix_caching)
         return cls(
             model=ModelConfig(
                 args.model,
@@ -203,6 +207,7 @@ class EngineConfig:
                 swap,
                 prefix_caching,
                 args.kv_allocation,
+                max_num_seqs if hybrid and prefix_caching else 0,
             ),  # fmt: skip
             scheduler=SchedulerConfig(
                 max_num_seqs,
@@ -275,22 +280,26 @@ def _check_encoder(args: EngineArgs) -> None:
 
 
 def _hybrid_max_num_seqs(
-    args: EngineArgs, arch: ModelArchConfig, kv_cache_memory: int, dtype: str
-) -> int:
-    """A hybrid model holds a recurrent state per sequence it may run (tens of MiB at 1B and up): by
-    default (max_num_seqs left at 256) as many as half the KV memory holds, so that the other
-    half is blocks; an explicit --max-num-seqs is kept (and refused at start if it leaves no
-    room for a request's blocks)."""
+    args: EngineArgs, arch: ModelArchConfig, kv_cache_memory: int, dtype: str,
+    prefix_caching: bool,
+) -> int:  # fmt: skip
+    """A hybrid model holds a recurrent state per sequence it may run (tens of MiB at 1B and up),
+    and with prefix caching as many checkpoints of it again: by default (max_num_seqs left at
+    256) as many as half the KV memory holds, so that the other half is blocks; an explicit
+    --max-num-seqs is kept (and refused at start if it leaves no room for a request's
+    blocks)."""
     default = EngineArgs.__dataclass_fields__["max_num_seqs"].default
     if args.max_num_seqs != default:
         return args.max_num_seqs
-    per_seq = arch.recurrent_state_bytes(2 if dtype in ("bfloat16", "float16") else 4)
+    state = arch.recurrent_state_bytes(2 if dtype in ("bfloat16", "float16") else 4)
+    per_seq = state * (2 if prefix_caching else 1)
     fit = max(1, kv_cache_memory // 2 // per_seq)
     if fit < args.max_num_seqs:
         logging.getLogger("pagedllm").info(
-            "max_num_seqs %d for this hybrid model: each sequence's %s state takes %.1f MiB, "
+            "max_num_seqs %d for this hybrid model: each sequence's %s state takes %.1f MiB%s, "
             "and %d of them fill half of the KV cache's memory (--kv-cache-memory, "
-            "--max-num-seqs to change)", fit, arch.recurrent_kind, per_seq / 2**20, fit,
+            "--max-num-seqs to change)", fit, arch.recurrent_kind, state / 2**20,
+            " (and as much again for its prefix-caching checkpoint)" if prefix_caching else "", fit,
         )  # fmt: skip
         return fit
     return args.max_num_seqs

@@ -11,7 +11,7 @@ Freeing it does not forget the hash (lazy eviction): a later request with the sa
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedllm.core.kv_events import KVEventLog
@@ -49,6 +49,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()  # made blocks only
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.events: KVEventLog | None = None  # what the prefix cache did (--kv-events-config)
+        # Called with each hash the cache evicts (a hybrid model's state checkpoints go too).
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     @property
     def blocks(self) -> list[KVCacheBlock]:
@@ -130,6 +132,8 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
             if self.events is not None:
                 self.events.removed(block.block_hash)
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

@@ -5,7 +5,8 @@ new (or preempted) sequence first looks up the longest run of its leading full b
 cached, takes references on them and starts its `num_computed_tokens` there; the runner then
 computes only the rest. Blocks become cacheable once their tokens are written: `allocate_slots`
 registers every block that the tokens scheduled this step fill up, since the runner writes
-exactly those tokens in the same step.
+exactly those tokens in the same step. A hybrid model's hit must also end at a block whose
+recurrent state was checkpointed (state_checkpoints.py, whose index this manager keeps).
 
 Sharing, copy-on-write and swapping happen per KV cache group (kv_cache_group.py); the calls
 that need blocks copied return the (source, destination) pairs, and the scheduler hands a
@@ -22,13 +23,16 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group import NULL_BLOCK, KVCacheGroup, live_blocks
 from pagedllm.core.kv_cache_interface import Allocation, BlockPair
 from pagedllm.core.kv_events import KVEventLog
+from pagedllm.core.state_checkpoints import StateCheckpoints
 from pagedllm.sequence import Sequence
 
 
 class KVCacheManager:
     """Maps each sequence's logical blocks to physical ones, growing its tables on demand: one
     table per KV cache group (`sliding_windows[g]` is group g's window, None for full
-    attention), all over one block pool."""
+    attention), all over one block pool. A hybrid model's prefix caching needs
+    `num_state_checkpoints` > 0: its hits end where a recurrent-state checkpoint does
+    (state_checkpoints.py)."""
 
     def __init__(
         self,
@@ -37,6 +41,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
         sliding_windows: list[int | None] | tuple = (None,),
+        num_state_checkpoints: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -50,6 +55,15 @@ class KVCacheManager:
         self.cpu_block_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.num_copied_blocks = 0  # copy-on-write copies handed out
         self.forks: list[tuple[str, str]] = []  # (parent, child) seq ids since the last step
+        # The seq ids whose blocks were freed since `take_freed` last collected them (recorded
+        # once something collects them: the scheduler, every step; a draft model's never).
+        self.freed: list[str] | None = None
+        self.state_checkpoints: StateCheckpoints | None = None
+        if num_state_checkpoints and enable_prefix_caching:
+            self.state_checkpoints = StateCheckpoints(
+                num_state_checkpoints, block_size, self.block_pool.cached_block_hash_to_block
+            )
+            self.block_pool.on_evict = self.state_checkpoints.drop
         # Prefix-cache statistics, in tokens, counted once per admitted (or resumed) sequence.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -89,13 +103,17 @@ class KVCacheManager:
         """The longest run of the sequence's leading full blocks that every group has cached
         (per group, the blocks to take), and the number of tokens they hold. At least the last
         token is always left to compute (its logits are needed), so a hit covering all tokens on
-        a block boundary gives up its last block."""
+        a block boundary gives up its last block. A hybrid model's hit ends at a block with a
+        state checkpoint."""
         if not self.enable_prefix_caching or seq.needs_every_position:
             return [[] for _ in self.groups], 0
         hashes = update_block_hashes(seq, self.block_size)
         num_blocks = (seq.num_tokens - 1) // self.block_size
+        checkpoints = self.state_checkpoints
         while True:  # shrink until every group agrees (a sliding group's answer can jump)
             agreed = min(group.longest_hit(hashes, num_blocks) for group in self.groups)
+            if checkpoints is not None:
+                agreed = checkpoints.longest_hit(hashes, agreed)
             if agreed == num_blocks:
                 break
             num_blocks = agreed
@@ -153,6 +171,8 @@ class KVCacheManager:
         if new_computed_blocks is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(hits[0]) * self.block_size
+            if hits[0] and self.state_checkpoints is not None:
+                self.state_checkpoints.restore(seq, len(hits[0]))
         return Allocation(tuple(new_blocks), blocks_to_copy)
 
     def allocate_group(
@@ -187,6 +207,14 @@ class KVCacheManager:
         """Return the sequence's blocks (its swap-space blocks too, if it is swapped out)."""
         for group in self.groups:
             group.free(seq, self.cpu_block_pool)
+        if self.freed is not None:
+            self.freed.append(seq.seq_id)
+
+    def take_freed(self) -> list[str]:
+        """The seq ids freed since the last call (for the runner: a hybrid model's state slots
+        go with them), and record them from now on."""
+        freed, self.freed = self.freed or [], []
+        return freed
 
     # -- swapping -------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
@@ -218,7 +246,10 @@ class KVCacheManager:
         return self.cpu_block_pool.num_blocks if self.cpu_block_pool else 0
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        done = self.block_pool.reset_prefix_cache()
+        if done and self.state_checkpoints is not None:
+            self.state_checkpoints.clear()
+        return done
 
     def record_events(self, medium: str) -> KVEventLog:
         """Record what the prefix cache does from now on (core/kv_events.py)."""
@@ -272,3 +303,5 @@ class KVCacheManager:
                 assert all(b is NULL_BLOCK for b in table[:num_released]), (
                     "released entries must be a prefix of the table"
                 )
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.check_integrity()

@@ -9,7 +9,9 @@ recently arrived running group is preempted as a whole (gang scheduling): the bl
 sequences are freed and it goes back to the head of the queue, to be recomputed (prompt + output
 re-prefilled) and resumed as a whole later. With prefix caching, a waiting sequence starts at its
 longest cached prefix of full blocks, so a resumed group re-prefills only what was evicted
-meanwhile, and its sequences share their common prompt blocks again.
+meanwhile, and its sequences share their common prompt blocks again. A hybrid model's hits end
+at a checkpoint of its recurrent state, taken where a prompt's chunk is made to end
+(core/state_checkpoints.py, core/token_plan.py).
 
 With LoRA a step runs at most max_loras adapters; new requests are admitted FCFS within what
 fits (core/lora_admission.py), preempted groups strictly in order.
@@ -35,6 +37,8 @@ from pagedllm.core.kv_cache_interface import BlockPair, KVCacheInterface
 from pagedllm.core.lora_admission import LoRAAdmission
 from pagedllm.core.scheduler_checks import check_scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput, SpecDecodeStats
+from pagedllm.core.state_checkpoints import hand_over_state_moves
+from pagedllm.core.token_plan import plan_tokens
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -206,9 +210,7 @@ class Scheduler:
         out.finished_request_ids = set(self._finished_since_last_step)
         if not out.is_empty:  # an empty step never reaches the runner: they go with the next
             self._finished_since_last_step.clear()
-        forks = getattr(self.kv_cache_manager, "forks", None)
-        if forks:
-            out.forked_seqs, self.kv_cache_manager.forks = forks, []
+        hand_over_state_moves(self.kv_cache_manager, out)  # last: checkpoints follow the plan
         return out
 
     @staticmethod
@@ -237,32 +239,13 @@ class Scheduler:
     def _plan_tokens(
         self, seqs: list[Sequence], budget: int, num_computed: list[int] | None = None
     ) -> list[tuple[Sequence, int]]:
-        """Tokens to schedule for each sequence of a group within `budget`.
-
-        A sequence needs `num_tokens - num_computed` tokens. If the group cannot have them all,
-        each gets what the budget allows but stops one token short of its end, so that no
-        sequence of the group reaches its end (and samples) without the others. A single
-        sequence is chunked only with chunked prefill enabled.
-        """
+        """Tokens for each sequence of a group within `budget`, from `num_computed` (default:
+        their own) on: core/token_plan.py."""
         if num_computed is None:
             num_computed = [s.num_computed_tokens for s in seqs]
-        remaining = [s.num_tokens - c for s, c in zip(seqs, num_computed, strict=True)]
-        drafts = [len(s.spec_token_ids) for s in seqs]
-        if sum(remaining) + sum(drafts) <= budget:
-            return [(s, n + d) for s, n, d in zip(seqs, remaining, drafts, strict=True) if n + d]
-        for seq in seqs:  # a short budget drops the drafts first
-            seq.spec_token_ids = []
-        if sum(remaining) <= budget:
-            return [(s, n) for s, n in zip(seqs, remaining, strict=True) if n > 0]
-        if len(seqs) == 1 and not self.config.enable_chunked_prefill:
-            return []
-        plan = []
-        for seq, need in zip(seqs, remaining, strict=True):
-            num_new = min(need, budget) if len(seqs) == 1 else min(need - 1, budget)
-            if num_new > 0:
-                plan.append((seq, num_new))
-                budget -= num_new
-        return plan
+        checkpoints = getattr(self.kv_cache_manager, "state_checkpoints", None)
+        chunked = self.config.enable_chunked_prefill
+        return plan_tokens(seqs, budget, num_computed, chunked, checkpoints)
 
     def _start_running(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

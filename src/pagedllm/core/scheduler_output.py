@@ -36,6 +36,15 @@ class SchedulerOutput:
     # runner stashes a hybrid model's recurrent state in host memory, then restores it.
     swapped_out_seqs: list[str] = field(default_factory=list)
     swapped_in_seqs: list[str] = field(default_factory=list)
+    # The seq ids whose blocks were freed since the previous step (pruned beams, finished or
+    # preempted sequences): a hybrid model's runner frees their state slots first, before the
+    # forks take theirs (a fork's stopped parent after it).
+    freed_seqs: list[str] = field(default_factory=list)
+    # Prefix caching for hybrid models (core/state_checkpoints.py): (seq id, checkpoint slot)
+    # pairs; the checkpoint restored into the sequence's state slot before the forward (a
+    # prefix hit), and the sequence's state saved into the checkpoint slot after it.
+    state_checkpoint_loads: list[tuple[str, int]] = field(default_factory=list)
+    state_checkpoint_saves: list[tuple[str, int]] = field(default_factory=list)
 
     def needs_sample(self, request: Sequence) -> bool:
         """True when this step reaches the end of the sequence's known tokens."""

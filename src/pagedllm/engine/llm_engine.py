@@ -52,8 +52,9 @@ def make_kv_cache_manager(
     cache = config.cache
     if cache.kv_allocation == "paged":
         return KVCacheManager(
-            num_blocks, cache.block_size, cache.enable_prefix_caching, num_cpu_blocks, windows
-        )
+            num_blocks, cache.block_size, cache.enable_prefix_caching, num_cpu_blocks, windows,
+            cache.num_state_checkpoints,
+        )  # fmt: skip
     if windows != [None]:
         raise ValueError(
             f"--kv-allocation {cache.kv_allocation} reserves contiguous memory for full "

@@ -70,16 +70,22 @@ class ModelRunner:
             self.proposer.reset()
 
     def initialize_kv_cache(
-        self, num_blocks: int, num_cpu_blocks: int = 0, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        num_cpu_blocks: int = 0,
+        num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
     ) -> None:
-        """The KV pool, and for a hybrid model `num_state_slots` slots of recurrent state."""
+        """The KV pool, and for a hybrid model `num_state_slots` slots of recurrent state and
+        `num_state_checkpoints` checkpoints of it (prefix caching)."""
         self.kv_cache = self.state_pool = None  # the old pools go before the new ones
         self.kv_cache = KVCache(
             self.kv_cache_spec, self.config.num_hidden_layers, num_blocks, num_cpu_blocks,
             self.cache_dtype, self.device, self._copy_blocks,
         )  # fmt: skip
         if self.config.num_recurrent_layers:
-            self.state_pool = StatePool(self.config, num_state_slots, self.model.dtype, self.device)
+            self.state_pool = StatePool(self.config, num_state_slots, self.model.dtype,
+                                        self.device, num_state_checkpoints)  # fmt: skip
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
@@ -109,7 +115,10 @@ class ModelRunner:
         step, plan = self.prepare_inputs(so)
         if send is not None:
             send(step)
-        return self.sample(so, plan, self.execute(step))
+        logits = self.execute(step)
+        if self.state_pool is not None:  # prompts' states at their checkpoint, after the step
+            self.state_pool.save_checkpoints(so.state_checkpoint_saves)
+        return self.sample(so, plan, logits)
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, StepPlan]:
         """The step as host arrays (what the other ranks of a tensor-parallel group receive)
@@ -181,18 +190,24 @@ class ModelRunner:
 
     def _move_states(self, so: SchedulerOutput) -> None:
         """A hybrid model's state slots before the step: finished requests' go (stashed states
-        too); forks copy their parent's (before a swap-out or a pruning takes it); a group
-        swapped out stashes its sequences' states in host memory, the other preempted groups
-        recompute from fresh slots; pruned beams' slots go; then a group swapped in gets its
-        states back into free slots."""
+        too), and the freed sequences' (pruned beams: before the forks, so that a beam group
+        never holds more slots than its width; a fork's parent that stopped after its fork);
+        forks copy their parent's (before a swap-out takes it); a group swapped out stashes its
+        sequences' states in host memory, the other preempted groups recompute from fresh
+        slots; a group swapped in gets its states back into free slots; last, prefix-cache hits
+        get their checkpoints. Only sequences that left lose their slots: a live one that this
+        step leaves out (a group's chunks share the budget) keeps its state."""
         pool = self.state_pool
         pool.release_requests(so.finished_request_ids, stashed=True)
+        parents = {parent for parent, _ in so.forked_seqs}
+        pool.release([s for s in so.freed_seqs if s not in parents])
         for parent, child in so.forked_seqs:
             pool.fork(parent, child)
+        pool.release([s for s in so.freed_seqs if s in parents])
         pool.swap_out(so.swapped_out_seqs)
         pool.release_requests(so.preempted_request_ids)  # the swapped out hold none by now
-        pool.release_unscheduled([r.seq_id for r in so.scheduled_requests])
         pool.swap_in(so.swapped_in_seqs)
+        pool.load_checkpoints(so.state_checkpoint_loads)
 
     def _plan_lora(self, reqs: list[Sequence], num_scheduled: np.ndarray, step: StepInputs):
         """Each token's adapter slot, and the slots to fill first."""

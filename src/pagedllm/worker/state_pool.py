@@ -7,7 +7,12 @@ A sequence preempted by recompute recomputes its prompt from a fresh slot. One p
 (its blocks went to the swap space) leaves its state in a host-side stash and holds no slot
 while swapped out; swapped back in, its state is restored into whatever slot is free. The stash
 holds at most max_num_seqs sequences, its own bound beside the swap space's (the scheduler
-counts it: SchedulerConfig.max_stashed_seqs, and preempts by recompute beyond it)."""
+counts it: SchedulerConfig.max_stashed_seqs, and preempts by recompute beyond it).
+
+With prefix caching, `num_checkpoints` more slots of the same shapes hold prompts' states at a
+block boundary (core/state_checkpoints.py, whose index chooses them): saved from a sequence's
+slot after the step that reaches the boundary, restored into a new sequence's slot before the
+step that continues from a prefix-cache hit there."""
 
 from __future__ import annotations
 
@@ -19,17 +24,27 @@ from pagedllm.layers.mamba2 import RecurrentState
 
 class StatePool:
     def __init__(
-        self, config: ModelArchConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelArchConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_checkpoints: int = 0,
     ) -> None:
         conv, ssm = config.recurrent_state_shapes
-        self.layers = {
-            i: RecurrentState(
-                torch.zeros((num_slots, *conv), dtype=dtype, device=device),
-                torch.zeros((num_slots, *ssm), dtype=torch.float32, device=device),
-            )
-            for i in range(config.num_hidden_layers)
-            if config.is_recurrent_layer(i)
-        }
+
+        def states(n: int) -> dict[int, RecurrentState]:
+            return {
+                i: RecurrentState(
+                    torch.zeros((n, *conv), dtype=dtype, device=device),
+                    torch.zeros((n, *ssm), dtype=torch.float32, device=device),
+                )
+                for i in range(config.num_hidden_layers)
+                if config.is_recurrent_layer(i)
+            }
+
+        self.layers = states(num_slots)
+        self.checkpoints = states(num_checkpoints)  # prefix caching's, by checkpoint slot
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
@@ -39,8 +54,9 @@ class StatePool:
 
     def slots(self, seq_ids: list[str], num_computed: list[int]) -> list[int]:
         """Each sequence's slot, a free one for a sequence new to the pool. A sequence with
-        tokens computed before it had a slot (a prefix-cache hit, a forked sample) has no state
-        to resume: the engine never schedules one for a hybrid model (RuntimeError)."""
+        tokens computed before it had a slot has no state to resume (a forked sample gets its
+        parent's copy, a prefix-cache hit its checkpoint's first): the engine never schedules
+        one for a hybrid model (RuntimeError)."""
         out = []
         for seq_id, computed in zip(seq_ids, num_computed, strict=True):
             slot = self._slot_of.get(seq_id)
@@ -73,17 +89,6 @@ class StatePool:
             for s in [s for s in self._stash if s in ids or s.rpartition("#")[0] in ids]:
                 del self._stash[s]
 
-    def release_unscheduled(self, seq_ids: list[str]) -> None:
-        """A step schedules every live sequence of its requests together (their samples or
-        beams in lockstep): a sequence of one of them that is not scheduled has left (a pruned
-        beam) and its slot goes."""
-        live = set(seq_ids)
-        requests = {s.rpartition("#")[0] or s for s in live} | live
-        self.release([
-            s for s in self._slot_of
-            if s not in live and (s in requests or s.rpartition("#")[0] in requests)
-        ])  # fmt: skip
-
     def fork(self, parent: str, child: str) -> None:
         """The child's own slot, holding a copy of the parent's state (nothing when the parent
         holds none: a preempted group recomputes from fresh states)."""
@@ -95,6 +100,27 @@ class StatePool:
         for state in self.layers.values():
             state.conv[slot].copy_(state.conv[source])
             state.ssm[slot].copy_(state.ssm[source])
+
+    def load_checkpoints(self, loads: list[tuple[str, int]]) -> None:
+        """Each (sequence, checkpoint slot): the checkpoint copied into a new slot of the
+        sequence, which continues from it (a prefix-cache hit), before the step."""
+        for seq_id, checkpoint in loads:
+            self.release([seq_id])
+            slot = self.slots([seq_id], [0])[0]
+            for state, saved in zip(self.layers.values(), self.checkpoints.values(), strict=True):
+                state.conv[slot].copy_(saved.conv[checkpoint])
+                state.ssm[slot].copy_(saved.ssm[checkpoint])
+
+    def save_checkpoints(self, saves: list[tuple[str, int]]) -> None:
+        """Each (sequence, checkpoint slot): the sequence's state copied there, after the step
+        that reached the block boundary (in order: a later save to a slot wins)."""
+        for seq_id, checkpoint in saves:
+            slot = self._slot_of.get(seq_id)
+            if slot is None:  # cannot happen: a scheduled sequence holds a slot
+                continue
+            for state, saved in zip(self.layers.values(), self.checkpoints.values(), strict=True):
+                saved.conv[checkpoint].copy_(state.conv[slot])
+                saved.ssm[checkpoint].copy_(state.ssm[slot])
 
     def swap_out(self, seq_ids) -> None:
         """Each sequence's state to the host stash, its slot freed (its group's blocks went to

@@ -183,13 +183,13 @@ class Worker:
 
     @property
     def state_bytes(self) -> int:
-        """A hybrid model's recurrent state, a slot per sequence the scheduler may run: taken from
-        the KV cache's memory budget first."""
+        """A hybrid model's recurrent state, a slot per sequence the scheduler may run and the
+        prefix cache's checkpoints of it: taken from the KV cache's memory budget first."""
         config = self.model_runner.config
         if not config.num_recurrent_layers:
             return 0
-        _, sched = self._cache_configs
-        return sched.max_num_seqs * config.recurrent_state_bytes(
+        cache, sched = self._cache_configs
+        return (sched.max_num_seqs + cache.num_state_checkpoints) * config.recurrent_state_bytes(
             self.model_runner.model.dtype.itemsize
         )
 
@@ -224,9 +224,9 @@ class Worker:
         arch = self.model_runner.config
         if self.state_bytes:
             logger.info(
-                "%s state: %d slots (max_num_seqs) x %d layers, %.1f MiB of the KV cache's "
-                "memory", arch.recurrent_kind, sched.max_num_seqs, arch.num_recurrent_layers,
-                self.state_bytes / 2**20,
+                "%s state: %d slots (max_num_seqs) + %d prefix-caching checkpoints x %d layers, "
+                "%.1f MiB of the KV cache's memory", arch.recurrent_kind, sched.max_num_seqs,
+                cache.num_state_checkpoints, arch.num_recurrent_layers, self.state_bytes / 2**20,
             )  # fmt: skip
         if num_blocks < peak:
             raise_to = (
@@ -235,10 +235,12 @@ class Worker:
                 else "--kv-cache-memory to at least "
                 f"{-(-(peak * bytes_per_block + self.state_bytes) // 2**20)}MiB"
             )
+            checkpoints = cache.num_state_checkpoints > 0
             state = (
                 f" (the {arch.recurrent_kind} state of --max-num-seqs {sched.max_num_seqs} "
-                "sequences takes "
-                f"{self.state_bytes / 2**20:.1f} MiB of it: or lower --max-num-seqs)"
+                f"sequences{' and as many prefix-caching checkpoints' * checkpoints} takes "
+                f"{self.state_bytes / 2**20:.1f} MiB of it: or lower --max-num-seqs"
+                f"{' or --no-enable-prefix-caching' * checkpoints})"
                 if self.state_bytes and cache.num_gpu_blocks_override is None
                 else ""
             )
@@ -263,16 +265,19 @@ class Worker:
         if num_cpu_blocks == 0:
             logger.warning("swap space is empty: every preemption will recompute")
         elif self.state_bytes:  # besides --swap-space: a bound of its own (state_pool.py)
+            per_seq = self.state_bytes // (sched.max_num_seqs + cache.num_state_checkpoints)
             logger.info(
                 "recurrent state stash: up to %d swapped-out sequences, %.1f MiB of CPU memory "
-                "at most", sched.max_stashed_seqs, self.state_bytes / 2**20,
+                "at most", sched.max_stashed_seqs, sched.max_stashed_seqs * per_seq / 2**20,
             )  # fmt: skip
         return num_cpu_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
-        _, sched = self._cache_configs
-        self.model_runner.initialize_kv_cache(num_blocks, num_cpu_blocks, sched.max_num_seqs)
+        cache, sched = self._cache_configs
+        self.model_runner.initialize_kv_cache(
+            num_blocks, num_cpu_blocks, sched.max_num_seqs, cache.num_state_checkpoints
+        )
         if isinstance(self.model_runner.proposer, DraftModelProposer):
             self.model_runner.proposer.initialize_kv_cache(num_blocks)
 
