@@ -79,12 +79,15 @@ def test_a_hybrid_models_state_is_counted_per_sequence_and_its_mamba_layers_hold
     assert r.bytes_per_token_full == 2 * 2 * 16 * 4  # the one attention layer's K and V
     # 3 layers x (conv: (128 + 2 x 16) channels x 3 inputs x 4 bytes + h: 8 x 16 x 16 x 4)
     assert r.state_bytes == 3 * (160 * 3 * 4 + 8 * 16 * 16 * 4)
-    # With prefix caching (the default) a checkpoint of the state per sequence slot too.
+    # With prefix caching (the default) checkpoints of the state too: up to one per request in
+    # a quarter of the memory.
     assert r.checkpoint_bytes == r.state_bytes
-    assert r.num_requests == 2**30 // (r.request_bytes_paged + 2 * r.state_bytes)
+    per_request = r.request_bytes_paged + r.state_bytes
+    checkpoints = min(2**28 // r.state_bytes, 2**30 // per_request)
+    assert r.num_requests == (2**30 - checkpoints * r.state_bytes) // per_request
     text = format_report(r)
     assert "(3 Mamba-2)" in text and "Mamba state per sequence (3 layers, any length)" in text
-    assert "as many prefix-caching checkpoints" in text
+    assert "up to as many prefix-caching checkpoints of it in a quarter of the memory" in text
     off = kv_memory_report(config, 1024, "1GiB", "float32", prefix_caching=False)
-    assert off.num_requests == 2**30 // (r.request_bytes_paged + r.state_bytes)
+    assert off.num_requests == 2**30 // per_request
     assert "checkpoints" not in format_report(off)

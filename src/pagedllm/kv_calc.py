@@ -33,16 +33,20 @@ class KVMemoryReport:
     spec: KVCacheSpec
     request_blocks: int  # pagedllm blocks one such request holds while decoding
     state_bytes: int = 0  # a hybrid model's recurrent state per sequence, whatever its length
-    # With prefix caching (the server's default), a hybrid model keeps a checkpoint of that
-    # state per sequence slot as well (core/state_checkpoints.py).
+    # With prefix caching (the server's default), a hybrid model also keeps checkpoints of that
+    # state (core/state_checkpoints.py): up to one per sequence slot in a quarter of the memory.
     checkpoint_bytes: int = 0
 
     @property
     def num_requests(self) -> int:
         """Requests of max_model_len tokens that fit in kv_cache_memory, in pagedllm's blocks
-        (and state slots, and their checkpoints)."""
-        per_request = self.request_bytes_paged + self.state_bytes + self.checkpoint_bytes
-        return self.kv_cache_memory // per_request
+        (and state slots, beside the prefix cache's checkpoints)."""
+        per_request = self.request_bytes_paged + self.state_bytes
+        checkpoints = 0
+        if self.checkpoint_bytes:  # engine_config._hybrid_states' rule
+            fit = self.kv_cache_memory // per_request
+            checkpoints = min(self.kv_cache_memory // 4 // self.checkpoint_bytes, fit)
+        return (self.kv_cache_memory - checkpoints * self.checkpoint_bytes) // per_request
 
     @property
     def request_bytes_paged(self) -> int:
@@ -139,6 +143,7 @@ def format_report(r: KVMemoryReport) -> str:
         )
         state += f"{_size(r.state_bytes)}; the server holds --max-num-seqs"
         if r.checkpoint_bytes:
-            state += ", and as many prefix-caching checkpoints of it"
+            state += (", and up to as many prefix-caching checkpoints of it in a quarter of the "
+                      "memory")  # fmt: skip
         lines.insert(-1, state)
     return "\n".join(lines)

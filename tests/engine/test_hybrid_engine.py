@@ -172,7 +172,8 @@ def test_the_state_and_its_checkpoints_are_counted_in_the_memory_budget(tiny):
     runner = runner_of(small.llm_engine)
     per_slot = sum(s.conv[0].nbytes + s.ssm[0].nbytes for s in runner.state_pool.layers.values())
     spec = small.llm_engine.kv_cache_spec
-    # A slot per sequence, and a prefix-caching checkpoint per slot (as many again).
+    # A slot per sequence, and a prefix-caching checkpoint per slot (as many again: a quarter
+    # of the memory holds them).
     cache = small.llm_engine.config.cache
     assert cache.enable_prefix_caching and cache.num_state_checkpoints == 4
     assert all(c.ssm.shape[0] == 4 for c in runner.state_pool.checkpoints.values())
@@ -194,12 +195,14 @@ def test_the_state_and_its_checkpoints_are_counted_in_the_memory_budget(tiny):
     # request's blocks in 5 MiB.
     with pytest.raises(ValueError, match="the Mamba state of --max-num-seqs 250 .* lower --max"):
         make_llm(path, kv_cache_memory="5MiB", max_num_seqs=250)
-    # Left at its default, it is lowered to the states (and their checkpoints) that fill half
-    # the memory.
-    llm = make_llm(path, kv_cache_memory="2MiB")
-    assert llm.llm_engine.config.scheduler.max_num_seqs == 2**20 // (2 * per_slot)
-    llm = make_llm(path, kv_cache_memory="2MiB", enable_prefix_caching=False)
-    assert llm.llm_engine.config.scheduler.max_num_seqs == 2**20 // per_slot
+    # Left at its default, it is lowered to the states that fill half the memory; the
+    # checkpoints take up to a quarter.
+    config = make_llm(path, kv_cache_memory="2MiB").llm_engine.config
+    assert config.scheduler.max_num_seqs == 2**20 // per_slot
+    assert config.cache.num_state_checkpoints == 2**19 // per_slot
+    config = make_llm(path, kv_cache_memory="2MiB", enable_prefix_caching=False).llm_engine.config
+    assert config.scheduler.max_num_seqs == 2**20 // per_slot
+    assert config.cache.num_state_checkpoints == 0
 
 
 def test_forked_seeded_samples_equal_independent_runs(tiny):

@@ -50,8 +50,8 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_allocation: str  # paged | max | pow2 | oracle
     # A hybrid model's prefix caching: checkpoints of the recurrent state at prompts' last full
-    # block (core/state_checkpoints.py), as many as max_num_seqs; 0 for other models or
-    # without prefix caching.
+    # block (core/state_checkpoints.py), up to max_num_seqs of them in a quarter of the KV
+    # memory (_hybrid_states); 0 for other models or without prefix caching.
     num_state_checkpoints: int = 0
 
 
@@ -156,7 +156,7 @@ class EngineConfig:
         # attention reads this step's tokens only).
         chunked_prefill = args.enable_chunked_prefill and not arch.is_encoder
         # A hybrid model's cached prefix needs its recurrent state at the prefix's end: it
-        # keeps checkpoints of it, one per sequence slot (counted in its memory below).
+        # keeps checkpoints of it (counted in its memory below).
         prefix_caching = args.enable_prefix_caching and not arch.is_encoder
         if not chunked_prefill and budget < max_model_len:
             raise ValueError(
@@ -178,9 +178,11 @@ class EngineConfig:
         dtype = auto_dtype if args.dtype == "auto" else _DTYPE_NAMES.get(args.dtype, args.dtype)
         if integer:  # the activations between the integer products: float32 (docs/numerics.md)
             dtype = "float32"
-        max_num_seqs = args.max_num_seqs
-        if hybrid and kv_cache_memory is not None:
-            max_num_seqs = _hybrid_max_num_seqs(args, arch, kv_cache_memory, dtype, prefix_caching)
+        max_num_seqs, num_checkpoints = args.max_num_seqs, 0
+        if hybrid:
+            max_num_seqs, num_checkpoints = _hybrid_states(
+                args, arch, kv_cache_memory, dtype, prefix_caching
+            )
         return cls(
             model=ModelConfig(
                 args.model,
@@ -207,7 +209,7 @@ class EngineConfig:
                 swap,
                 prefix_caching,
                 args.kv_allocation,
-                max_num_seqs if hybrid and prefix_caching else 0,
+                num_checkpoints,
             ),  # fmt: skip
             scheduler=SchedulerConfig(
                 max_num_seqs,
@@ -279,30 +281,33 @@ def _check_encoder(args: EngineArgs) -> None:
             raise ValueError(f"encoder models (BERT) run on one rank with paged blocks: {what}")
 
 
-def _hybrid_max_num_seqs(
-    args: EngineArgs, arch: ModelArchConfig, kv_cache_memory: int, dtype: str,
+def _hybrid_states(
+    args: EngineArgs, arch: ModelArchConfig, kv_cache_memory: int | None, dtype: str,
     prefix_caching: bool,
-) -> int:  # fmt: skip
-    """A hybrid model holds a recurrent state per sequence it may run (tens of MiB at 1B and up),
-    and with prefix caching as many checkpoints of it again: by default (max_num_seqs left at
-    256) as many as half the KV memory holds, so that the other half is blocks; an explicit
-    --max-num-seqs is kept (and refused at start if it leaves no room for a request's
-    blocks)."""
-    default = EngineArgs.__dataclass_fields__["max_num_seqs"].default
-    if args.max_num_seqs != default:
-        return args.max_num_seqs
+) -> tuple[int, int]:  # fmt: skip
+    """(max_num_seqs, prefix-caching checkpoints) of a hybrid model, whose recurrent state per
+    sequence is tens of MiB at 1B and up. By default (max_num_seqs left at 256) as many
+    sequences as half the KV memory holds; an explicit --max-num-seqs is kept (and refused at
+    start if it leaves no room for a request's blocks). Checkpoints, with prefix caching: up
+    to max_num_seqs in a quarter of the KV memory (a quarter of max_num_seqs where the memory
+    is profiled later, on a GPU), at least one, so that blocks keep the rest."""
     state = arch.recurrent_state_bytes(2 if dtype in ("bfloat16", "float16") else 4)
-    per_seq = state * (2 if prefix_caching else 1)
-    fit = max(1, kv_cache_memory // 2 // per_seq)
-    if fit < args.max_num_seqs:
-        logging.getLogger("pagedllm").info(
-            "max_num_seqs %d for this hybrid model: each sequence's %s state takes %.1f MiB%s, "
-            "and %d of them fill half of the KV cache's memory (--kv-cache-memory, "
-            "--max-num-seqs to change)", fit, arch.recurrent_kind, state / 2**20,
-            " (and as much again for its prefix-caching checkpoint)" if prefix_caching else "", fit,
-        )  # fmt: skip
-        return fit
-    return args.max_num_seqs
+    default = EngineArgs.__dataclass_fields__["max_num_seqs"].default
+    max_num_seqs = args.max_num_seqs
+    if args.max_num_seqs == default and kv_cache_memory is not None:
+        fit = max(1, kv_cache_memory // 2 // state)
+        if fit < args.max_num_seqs:
+            logging.getLogger("pagedllm").info(
+                "max_num_seqs %d for this hybrid model: each sequence's %s state takes %.1f "
+                "MiB, and %d of them fill half of the KV cache's memory (--kv-cache-memory, "
+                "--max-num-seqs to change)", fit, arch.recurrent_kind, state / 2**20, fit,
+            )  # fmt: skip
+            max_num_seqs = fit
+    if not prefix_caching:
+        return max_num_seqs, 0
+    if kv_cache_memory is None:
+        return max_num_seqs, max(1, max_num_seqs // 4)
+    return max_num_seqs, max(1, min(max_num_seqs, kv_cache_memory // 4 // state))
 
 
 def _check_hybrid(args: EngineArgs) -> None:

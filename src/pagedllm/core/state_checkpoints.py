@@ -18,8 +18,9 @@ model may take, and where each checkpoint goes.
   run whole in one step takes two), and after that step the runner copies the sequence's
   state into the checkpoint slot chosen here.
 - Cost: each checkpoint takes recurrent_state_bytes of device memory, as a state slot does;
-  the engine keeps max_num_seqs of them (config/engine_config.py), counted in the KV cache's
-  memory budget with the state slots (worker/worker.py).
+  the engine keeps up to max_num_seqs of them in a quarter of the KV cache's memory
+  (config/engine_config.py _hybrid_states), counted in its budget with the state slots
+  (worker/worker.py).
 - Hits: a hybrid model's hit ends at the deepest matched block that has a checkpoint
   (`longest_hit`); the runner copies that checkpoint into the sequence's fresh state slot
   before the step, and the sequence continues from it (it is not fresh: tokens are computed).

@@ -236,9 +236,10 @@ class Worker:
                 f"{-(-(peak * bytes_per_block + self.state_bytes) // 2**20)}MiB"
             )
             checkpoints = cache.num_state_checkpoints > 0
+            saved = f" and {cache.num_state_checkpoints} prefix-caching checkpoints" * checkpoints
             state = (
                 f" (the {arch.recurrent_kind} state of --max-num-seqs {sched.max_num_seqs} "
-                f"sequences{' and as many prefix-caching checkpoints' * checkpoints} takes "
+                f"sequences{saved} takes "
                 f"{self.state_bytes / 2**20:.1f} MiB of it: or lower --max-num-seqs"
                 f"{' or --no-enable-prefix-caching' * checkpoints})"
                 if self.state_bytes and cache.num_gpu_blocks_override is None
