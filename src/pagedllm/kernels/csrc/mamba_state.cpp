@@ -16,7 +16,6 @@
 
 #include <cmath>
 #include <initializer_list>
-#include <vector>
 
 namespace pagedllm {
 
@@ -74,8 +73,8 @@ void mamba_state_update(at::Tensor ssm, const at::Tensor& slots, const at::Tenso
 // The Gated DeltaNet decode step: each sequence's state S [value heads, key dim, value dim] in
 // its slot, for one token (q, k L2-normalised, q scaled; g its log decay, beta its write):
 //     S = exp(g) S        delta = beta (v - S^T k)        S = S + k delta^T        o = S^T q
-// in two passes over S (S^T k from the old state times exp(g), then S rewritten row by row and
-// o gathered from the new rows), where torch's ops make five. layers/gated_deltanet.py's
+// reading S once from memory (column block by column block: S^T k over the old state times
+// exp(g), then the block rewritten from L1 and o gathered from it), where torch's ops make five. layers/gated_deltanet.py's
 // delta_rule_step is the reference (the decay is applied after the sum here: within rounding).
 //
 // ssm [slots, heads, dk, dv], slots [rows] int64, q / k [rows, heads, dk], v [rows, heads, dv],
@@ -108,33 +107,29 @@ void delta_rule_state_update(at::Tensor ssm, const at::Tensor& slots, const at::
   const float* beta_ptr = beta.data_ptr<float>();
   float* o_ptr = o.data_ptr<float>();
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> delta(dv);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r = t / heads, hd = t % heads;
       float* s = s_ptr + (slot[r] * heads + hd) * dk * dv;
       const float *qv = q_ptr + t * dk, *kv = k_ptr + t * dk, *vv = v_ptr + t * dv;
       float* out = o_ptr + t * dv;
       const float decay = std::exp(g_ptr[t]);
-      for (int64_t j = 0; j < dv; j += Vec::size()) {  // delta = S^T k, over the old S
+      // Column block by column block: S^T k for these columns needs only them, so the update
+      // that follows finds them in L1 (one read and one write of S from memory).
+      for (int64_t j = 0; j < dv; j += Vec::size()) {
         const int64_t n = std::min<int64_t>(Vec::size(), dv - j);
         Vec acc(0.f);
-        for (int64_t i = 0; i < dk; ++i) {
+        for (int64_t i = 0; i < dk; ++i) {  // delta = beta (v - decay S^T k), the old S
           acc = acc + Vec(kv[i]) * Vec::loadu(s + i * dv + j, n);
         }
         const Vec d = Vec(beta_ptr[t]) * (Vec::loadu(vv + j, n) - Vec(decay) * acc);
-        d.store(delta.data() + j, n);
-      }
-      for (int64_t j = 0; j < dv; j += Vec::size()) {  // S = decay S + k delta^T; o = S^T q
-        const int64_t n = std::min<int64_t>(Vec::size(), dv - j);
-        const Vec d = Vec::loadu(delta.data() + j, n);
-        Vec acc(0.f);
-        for (int64_t i = 0; i < dk; ++i) {
+        Vec o_acc(0.f);
+        for (int64_t i = 0; i < dk; ++i) {  // S = decay S + k delta^T; o = S^T q
           float* row = s + i * dv + j;
           const Vec sv = Vec(decay) * Vec::loadu(row, n) + Vec(kv[i]) * d;
           sv.store(row, n);
-          acc = acc + Vec(qv[i]) * sv;
+          o_acc = o_acc + Vec(qv[i]) * sv;
         }
-        acc.store(out + j, n);
+        o_acc.store(out + j, n);
       }
     }
   });
