@@ -1,13 +1,13 @@
-"""A hybrid model (a tiny random Granite 4.0-H: Mamba-2 layers among attention layers, float32)
-through the engine, transformers as the oracle: each sequence's recurrent state in a slot of
-the state pool, carried across prompt chunks and decode steps, alone and batched, with block
-sizes 1 / 16 / 32, after preemption (by recompute: the slot is freed and the prompt recomputed
-from a fresh one; by swap: the state waits in the runner's host stash while the blocks are in
-the swap space, and comes back into any free slot), and copied to each fork (n seeded samples,
-beam search; a beam group within its width of slots). With prefix caching, a prompt's state is
-checkpointed at its last full block and a later prompt's hit restores it (its tokens and
-log-probabilities those of a run without the cache). What hybrids cannot do yet is refused
-with the reason."""
+"""A hybrid model (a tiny random Granite 4.0-H: Mamba-2 layers among attention layers; and a
+Qwen3-Next: Gated DeltaNet layers; float32) through the engine, transformers as the oracle:
+each sequence's recurrent state in a slot of the state pool, carried across prompt chunks and
+decode steps, alone and batched, with block sizes 1 / 16 / 32, after preemption (by recompute:
+the slot is freed and the prompt recomputed from a fresh one; by swap: the state waits in the
+runner's host stash while the blocks are in the swap space, and comes back into any free slot),
+and copied to each fork (n seeded samples, beam search; a beam group within its width of
+slots). With prefix caching, a prompt's state is checkpointed at its last full block and a
+later prompt's hit restores it (its tokens and log-probabilities those of a run without the
+cache). What hybrids cannot do yet is refused with the reason."""
 
 from __future__ import annotations
 
@@ -31,15 +31,23 @@ PROMPTS = [[(7 * i + 13 * j) % 120 + 3 for j in range(5 + (9 * i) % 17)] for i i
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+# test_architectures.py's hybrids with a third layer: the recurrent kind on both sides of
+# attention. Granite 4.0-H (Mamba-2) and Qwen3-Next (Gated DeltaNet, gated attention, experts
+# beside a gated shared expert); Qwen3.5's layers are Qwen3-Next's.
+THIRD_LAYER = {
+    "granite_hybrid": ["mamba", "attention", "mamba"],
+    "qwen3_next": ["linear_attention", "full_attention", "linear_attention"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(THIRD_LAYER))
+def tiny(request, tmp_path_factory):
     """(path, transformers model, its greedy continuation of each prompt, alone)."""
-    # test_architectures.py's Granite hybrid with a third layer: Mamba on both sides of attention
-    config_cls, model_cls, fields = ARCHS["granite_hybrid"]
+    config_cls, model_cls, fields = ARCHS[request.param]
     fields = {**BASE, **fields, "vocab_size": 128, "num_hidden_layers": 3,
-              "layer_types": ["mamba", "attention", "mamba"]}  # fmt: skip
+              "layer_types": THIRD_LAYER[request.param]}  # fmt: skip
     hf = random_hf_model(config_cls, model_cls, fields)
-    path = tmp_path_factory.mktemp("tiny-granite-hybrid")
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf.save_pretrained(path)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     return str(path), hf, want
@@ -191,10 +199,11 @@ def test_the_state_and_its_checkpoints_are_counted_in_the_memory_budget(tiny):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="hybrid models .* --tensor-parallel-size > 1"):
         make_llm(path, tensor_parallel_size=2)
-    # An explicit --max-num-seqs is kept: 250 sequences' states (5 MiB) leave no room for one
-    # request's blocks in 5 MiB.
-    with pytest.raises(ValueError, match="the Mamba state of --max-num-seqs 250 .* lower --max"):
-        make_llm(path, kv_cache_memory="5MiB", max_num_seqs=250)
+    # An explicit --max-num-seqs is kept: 250 sequences' states fill the memory, and leave no
+    # room for one request's blocks.
+    kind = small.llm_engine.config.model.arch.recurrent_kind
+    with pytest.raises(ValueError, match=f"the {kind} state of --max-num-seqs 250 .* lower --max"):
+        make_llm(path, kv_cache_memory=250 * per_slot, max_num_seqs=250)
     # Left at its default, it is lowered to the states that fill half the memory; the
     # checkpoints take up to a quarter.
     config = make_llm(path, kv_cache_memory="2MiB").llm_engine.config
