@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.mamba2 import MambaMixer2, RecurrentState, ssd_scan, ssm_scan_reference
+from pagedllm.layers.mamba2 import MambaMixer2, ssd_scan, ssm_scan_reference
+from pagedllm.layers.recurrent import RecurrentState
 
 
 @pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200])

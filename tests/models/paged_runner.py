@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import head_shard
-from pagedllm.layers.mamba2 import RecurrentState
+from pagedllm.layers.recurrent import RecurrentState
 
 
 @dataclass

@@ -35,6 +35,16 @@ BASE = dict(
     eos_token_id=None,  # greedy decoding runs the full length
     pad_token_id=None,
 )
+# Qwen3-Next's and Qwen3.5's: a Gated DeltaNet (2 key heads, 4 value heads) before gated
+# attention; and experts beside a gated shared expert.
+GATED_DELTANET = dict(
+    head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+)  # fmt: skip
+MOE_SHARED = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)  # fmt: skip
 # name -> (config class, model class, config overrides). Windows are smaller than the prompts
 # plus 32 new tokens, so they change the result.
 ARCHS = {
@@ -128,34 +138,19 @@ ARCHS = {
             residual_multiplier=0.5,
         ),  # fmt: skip
     ),
-    # Gated DeltaNet (2 key heads, 4 value heads) before gated attention with partial RoPE, (1 +
-    # w) norms; experts beside a gated shared expert (Qwen3-Next, Qwen3.5-MoE) or a dense MLP.
+    # Gated DeltaNet layers before gated attention with partial RoPE, (1 + w) norms; experts
+    # beside a gated shared expert (Qwen3-Next, Qwen3.5-MoE; the latter's attention first, its
+    # key heads as many as its value heads) or a dense MLP (Qwen3.5).
     "qwen3_next": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
-        dict(
-            head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-        ),  # fmt: skip
+        dict(GATED_DELTANET, **MOE_SHARED),
     ),
     "qwen3_5": (
         "Qwen3_5TextConfig",
         "Qwen3_5ForCausalLM",
         dict(
-            head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=8,
+            GATED_DELTANET,
             rope_parameters=dict(
                 rope_type="default",
                 rope_theta=10000.0,
@@ -169,17 +164,13 @@ ARCHS = {
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
         dict(
-            head_dim=16,
+            GATED_DELTANET,
             layer_types=["full_attention", "linear_attention"],
             linear_num_key_heads=4,
-            linear_num_value_heads=4,
             linear_key_head_dim=8,
             linear_value_head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-        ),  # fmt: skip
+            **MOE_SHARED,
+        ),
     ),
     # Sinks, biases, alternating sliding / full layers, YaRN with a small original context.
     "gpt_oss": (

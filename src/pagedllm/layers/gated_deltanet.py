@@ -118,7 +118,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         o = torch.empty_like(v)
         singles, rows = single_rows(query_start_loc)
-        if singles and kernels.fused_cpu_ops_apply(v):  # decode: two passes over each state
+        if singles and kernels.fused_cpu_ops_apply(v):  # decode: each state read once, in C++
             idx = torch.tensor([slots[i] for i in singles])
             o_rows = torch.empty_like(v[rows])
             kernels.cpu_ops().delta_rule_state_update(

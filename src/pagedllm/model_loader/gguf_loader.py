@@ -224,11 +224,11 @@ def _read_tensor(
     if arch in _NORM_PLUS_ONE and name.endswith("norm.weight") and ".linear_attn." not in name:
         array = array - 1.0  # the converter stored 1 + w
     if ".mamba." in name or ".linear_attn." in name:
-        array = _mamba_from_gguf(name, array)
+        array = _recurrent_from_gguf(name, array)
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
-def _mamba_from_gguf(name: str, array: np.ndarray) -> np.ndarray:
+def _recurrent_from_gguf(name: str, array: np.ndarray) -> np.ndarray:
     """A Mamba-2 (or Gated DeltaNet) tensor back in HF's form: A_log = log(-A), D and the norm's
     weight flat, the depthwise conv's weight [channels, 1, kernel]."""
     if name.endswith("A_log"):

@@ -56,7 +56,7 @@ class KVCache:
         self.pool = alloc(shape, dtype=pool_dtype, device=device)
         slots = spec.layer_slots()
         typed = self.pool.view(dtype)
-        # None for a layer without K/V (a Mamba layer: its state is the runner's StatePool's)
+        # None for a layer without K/V (a recurrent layer: its state is the runner's StatePool's)
         self.layers = [
             (typed[slots[i][1], 0], typed[slots[i][1], 1]) if i in slots else None
             for i in range(num_layers)

@@ -1,5 +1,5 @@
 """A hybrid model's recurrent state in memory: for each recurrent layer, a pool of state slots
-(layers/mamba2.py's RecurrentState), one slot per running sequence, assigned by the runner as
+(layers/recurrent.py's RecurrentState), one slot per running sequence, assigned by the runner as
 sequences arrive and freed as they finish or are preempted. max_num_seqs slots: the scheduler
 never runs more sequences.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.mamba2 import RecurrentState
+from pagedllm.layers.recurrent import RecurrentState
 
 
 class StatePool:
